@@ -1,0 +1,182 @@
+"""The `arl` command line. Each command imports its heavy modules inside the function so that
+`arl --help` stays instant; errors meant for people (`ArlError`) print one line and exit 2."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, TypeVar
+
+import typer
+
+from pipeline.errors import ArlError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="arl: RL for LLMs on what unmodified agents do.")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _friendly(func: F) -> F:
+    """Turn ArlError (and a missing file) into `error: ...` and exit code 2, without a traceback."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            code = func(*args, **kwargs)
+        except ArlError as exc:
+            typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            typer.secho("interrupted", err=True)
+            raise typer.Exit(130) from None
+        if isinstance(code, int) and code != 0:
+            raise typer.Exit(code)
+        return None
+
+    return wrapper  # type: ignore[return-value]
+
+
+class Executor(StrEnum):
+    slurm = "slurm"
+    local = "local"
+
+
+class StageName(StrEnum):
+    inference = "inference"
+    rollout = "rollout"
+    proxy = "proxy"
+    train = "train"
+
+
+class Format(StrEnum):
+    table = "table"
+    json = "json"
+    html = "html"
+
+
+@app.command()
+@_friendly
+def launch(
+    config: Path = typer.Argument(..., help="YAML config file."),
+    overrides: list[str] = typer.Argument(None, help="key.sub=value overrides."),
+    executor: Executor = typer.Option(Executor.slurm, help="Submit to Slurm, or run the stages as local processes."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Write and print the sbatch scripts; submit nothing."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an existing run from its last complete step."),
+    clean: bool = typer.Option(False, "--clean", help="Delete an existing run dir first."),
+) -> int:
+    """Create the run dir and start every stage (Slurm jobs via submitit, or local processes)."""
+    from pipeline.launch.launcher import launch as do_launch
+
+    return do_launch(config, overrides or [], executor=executor.value, dry_run=dry_run, resume=resume, clean=clean)
+
+
+@app.command()
+@_friendly
+def stage(
+    name: StageName = typer.Argument(..., help="Which stage to run."),
+    run_dir: Path = typer.Option(..., "--run-dir", help="The run directory (holds config.yaml)."),
+    step: int | None = typer.Option(None, "--step", help="Redo exactly this one step, then exit."),
+) -> int:
+    """Run one stage in this process (what each Slurm job runs)."""
+    import importlib
+
+    module = importlib.import_module(f"stages.{name.value}")
+    return int(module.main(run_dir=run_dir, step=step) or 0)
+
+
+@app.command()
+@_friendly
+def status(run_dir: Path = typer.Argument(..., help="The run directory.")) -> int:
+    """Jobs and their state, current step and weight version, recent rewards."""
+    from pipeline.launch.status import show_status
+
+    return show_status(run_dir)
+
+
+@app.command()
+@_friendly
+def stop(run_dir: Path = typer.Argument(..., help="The run directory.")) -> int:
+    """Cancel the run's jobs (by Slurm job id or local pid, never by name)."""
+    from pipeline.launch.status import stop_run
+
+    return stop_run(run_dir)
+
+
+@app.command()
+@_friendly
+def inspect(
+    path: Path = typer.Argument(..., help="A part file, a step dir or a run dir."),
+    step: int | None = typer.Option(None, "--step", help="Only this step (for a run dir)."),
+    decode: bool = typer.Option(False, "--decode", help="Render every turn with the shard's tokenizer."),
+    fmt: Format = typer.Option(Format.table, "--format", help="table (terminal), json (scripts) or html (one page)."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Where --format html writes."),
+    limit: int = typer.Option(50, "--limit", help="Most samples listed (summaries cover all)."),
+) -> int:
+    """Offline view of trajectory shards: samples, decoded turns, masks, reward and length statistics."""
+    from pipeline.inspect import inspect_path
+
+    return inspect_path(path, step=step, decode=decode, fmt=fmt.value, output=output, limit=limit)
+
+
+@app.command()
+@_friendly
+def demo(
+    steps: int = typer.Option(24, "--steps", help="Training steps."),
+    workdir: Path = typer.Option(Path("runs"), "--workdir", help="Where the tiny model and the run dir go."),
+    max_staleness: int = typer.Option(1, "--max-staleness", help="0 = synchronous, 1 = overlap rollout and training."),
+) -> int:
+    """A complete local run on a tiny model (CPU): inference, rollout with an OpenAI-SDK agent, training."""
+    from pipeline.demo import run_demo
+
+    return run_demo(steps=steps, workdir=workdir, max_staleness=max_staleness)
+
+
+@app.command("make-tiny-model")
+@_friendly
+def make_tiny_model_cmd(
+    out_dir: Path = typer.Argument(..., help="Directory to create."),
+    template: str = typer.Option("qwen", help="Chat template style: qwen or llama3."),
+    layers: int = typer.Option(2, help="Transformer layers."),
+    hidden: int = typer.Option(128, help="Hidden size."),
+    seed: int = typer.Option(0, help="Seed for weights and tokenizer training."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing directory."),
+) -> None:
+    """Make an offline, seeded, tiny Qwen2-architecture model + tokenizer (for tests and the demo)."""
+    from pipeline.tiny_model import make_tiny_model
+
+    if template not in ("qwen", "llama3"):
+        raise ArlError(f"--template must be qwen or llama3, got {template!r}")
+    path = make_tiny_model(out_dir, template=template, num_layers=layers, hidden_size=hidden, seed=seed,
+                           overwrite=overwrite)  # fmt: skip
+    typer.echo(f"tiny model written to {path}")
+
+
+@app.command()
+@_friendly
+def config(
+    config_path: Path | None = typer.Argument(None, help="YAML config (omit for the defaults)."),
+    overrides: list[str] = typer.Argument(None, help="key.sub=value overrides."),
+) -> None:
+    """Print the resolved config (validates it: unknown keys and bad values are errors)."""
+    from pipeline.config import dump_config, load_config
+
+    typer.echo(dump_config(load_config(config_path, overrides or [])))
+
+
+@app.command()
+@_friendly
+def bench(only: list[str] = typer.Option(None, "--only", help="Run only these benchmarks (file stems).")) -> int:
+    """Run every benchmark under benchmarks/ and write benchmarks/RESULTS.md."""
+    from pipeline.bench import run_benchmarks
+
+    return run_benchmarks(only or [])
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app(prog_name="arl")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""One logging set-up for every process: human-readable lines to stderr and, for stages, a log file."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"
+
+
+def setup_logging(stage: str | None = None, log_file: Path | None = None, level: str | None = None) -> None:
+    """Configure the root logger once per process (idempotent: re-running replaces the handlers)."""
+    level_name = (level or os.environ.get("ARL_LOG_LEVEL", "INFO")).upper()
+    root = logging.getLogger()
+    root.setLevel(level_name)
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    formatter = logging.Formatter(_FORMAT)
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(formatter)
+    root.addHandler(stream)
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(log_file)
+        file_handler.setFormatter(formatter)
+        root.addHandler(file_handler)
+    # Third-party request logs would print every proxied call (and could carry headers).
+    for noisy in ("httpx", "httpcore", "uvicorn.access", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if stage:
+        logging.getLogger("arl").info("stage %s starting (pid %d)", stage, os.getpid())

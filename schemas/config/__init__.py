@@ -1,0 +1,56 @@
+"""The run's configuration: one YAML file with typed sections, composed from small blocks.
+
+`ArlConfig` is the whole file. Every field has a docstring (shown by `arl config --help-fields`
+and in docs); unknown keys are errors. Loading, overrides and the frozen copy in the run
+directory live in `pipeline.config`.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from schemas.config.base import Block
+from schemas.config.cluster import ClusterConfig, StageResources
+from schemas.config.inference import InferenceConfig
+from schemas.config.model import ModelConfig
+from schemas.config.proxy import ProxyConfig
+from schemas.config.rollout import DatasetConfig, RolloutConfig
+from schemas.config.trainer import AlgorithmConfig, MegatronConfig, OptimizerConfig, TrainerConfig
+
+__all__ = [
+    "AlgorithmConfig",
+    "ArlConfig",
+    "ClusterConfig",
+    "DatasetConfig",
+    "InferenceConfig",
+    "MegatronConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ProxyConfig",
+    "RolloutConfig",
+    "StageResources",
+    "TrainerConfig",
+]
+
+
+class ArlConfig(Block):
+    experiment_name: str = Field("demo", pattern=r"^[A-Za-z0-9._-]+$")
+    """Experiment name: the run dir is `<fileroot>/<experiment_name>/<trial_name>`."""
+    trial_name: str = Field("trial0", pattern=r"^[A-Za-z0-9._-]+$")
+    """Trial name within the experiment."""
+    fileroot: str = "runs"
+    """Shared directory (on a cluster: a file system every node mounts) holding run dirs."""
+    num_steps: int = Field(10, ge=1)
+    """Training steps in the run (the trainer produces versions 1..num_steps)."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy's weights and tokenizer."""
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    """Inference servers."""
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+    """Capture proxy."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Agent, data and step production."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """Algorithm, optimizer, checkpoints, weight publication."""
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Slurm resources per stage."""

@@ -1,0 +1,47 @@
+"""`cluster:` — Slurm resources per stage (ignored by `--executor local`)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from schemas.config.base import Block
+
+
+class StageResources(Block):
+    partition: str | None = None
+    """Slurm partition (`--partition`)."""
+    account: str | None = None
+    """Slurm account (`--account`)."""
+    qos: str | None = None
+    """Slurm QOS (`--qos`)."""
+    time_min: int = Field(60, ge=1)
+    """Wall-clock limit in minutes (`--time`)."""
+    nodes: int = Field(1, ge=1)
+    """Nodes for this stage (the trainer runs torchrun on each)."""
+    gpus_per_node: int = Field(0, ge=0)
+    """GPUs per node (`--gpus-per-node`); 0 requests none."""
+    cpus_per_task: int = Field(1, ge=1)
+    """CPUs per task (`--cpus-per-task`)."""
+    mem_gb: int | None = None
+    """Memory per node in GB (`--mem`); `None` = the partition default."""
+    constraint: str | None = None
+    """Node feature constraint (`--constraint`)."""
+    exclusive: bool = False
+    """Whole nodes (`--exclusive`)."""
+    extra_sbatch: list[str] = Field(default_factory=list)
+    """Extra `#SBATCH` lines, written verbatim (e.g. `--reservation=foo`)."""
+    setup: list[str] = Field(default_factory=list)
+    """Shell lines run before the stage (e.g. `module load cuda`, `source venv/bin/activate`)."""
+
+
+class ClusterConfig(Block):
+    inference: StageResources = Field(default_factory=StageResources)
+    """Resources of the inference-server job."""
+    rollout: StageResources = Field(default_factory=StageResources)
+    """Resources of the rollout job (proxy + agents)."""
+    proxy: StageResources = Field(default_factory=StageResources)
+    """Resources of the standalone proxy job (external agents)."""
+    train: StageResources = Field(default_factory=StageResources)
+    """Resources of the trainer job."""
+    setup: list[str] = Field(default_factory=list)
+    """Shell lines run before every stage (before the stage's own `setup`)."""

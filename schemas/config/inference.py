@@ -1,0 +1,36 @@
+"""`inference:` — the inference servers (SGLang protocol) the proxy and trainer talk to."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from schemas.config.base import Block
+
+
+class InferenceConfig(Block):
+    backend: Literal["hf", "vllm", "sglang"] = "hf"
+    """`hf` = the embedded transformers engine; `vllm` / `sglang` launch those servers with their own CLIs."""
+    num_servers: int = Field(1, ge=1)
+    """Servers started by one inference job (each on its own port on the job's node)."""
+    host: str = "127.0.0.1"
+    """Interface the servers bind to; use `0.0.0.0` on a cluster so other nodes reach them."""
+    port: int = Field(0, ge=0, le=65535)
+    """First port to try; 0 picks free ports."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device of the `hf` engine; `auto` = CUDA when available."""
+    max_batch_size: int = Field(64, ge=1)
+    """Most sequences the `hf` engine decodes in one step (dynamic batching)."""
+    tp_size: int = Field(1, ge=1)
+    """Tensor parallel size of a `vllm` / `sglang` server."""
+    mem_fraction: float = Field(0.85, gt=0, le=1)
+    """GPU memory fraction for a `vllm` / `sglang` server's KV cache."""
+    python: str | None = None
+    """Python interpreter that runs `vllm` / `sglang` (e.g. a separate venv); `None` = this one."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Extra command-line arguments passed verbatim to the `vllm` / `sglang` server."""
+    startup_timeout_s: float = Field(300.0, gt=0)
+    """Deadline for a server to become healthy."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Per-request deadline in the engine client."""

@@ -1,0 +1,30 @@
+"""`proxy:` — the OpenAI/Anthropic-compatible capture proxy."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from schemas.config.base import Block
+
+
+class ProxyConfig(Block):
+    host: str = "127.0.0.1"
+    """Interface the proxy binds to. It binds nowhere else; use `0.0.0.0` only for external agents."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port; 0 picks a free one (the chosen URL is written to `registry/proxy/`)."""
+    admin_key: str | None = None
+    """Admin key; `None` generates a random one per run, stored in `state/proxy_admin_key` (mode 600)."""
+    client_keys: list[str] = Field(default_factory=list)
+    """Keys for external agent owners: may start sessions and reward their own sessions, nothing else."""
+    session_timeout_s: float = Field(1800.0, gt=0)
+    """A session idle this long is ended and cleaned up."""
+    max_sessions: int = Field(256, ge=1)
+    """Most concurrently open sessions (a start beyond this answers 429)."""
+    default_max_tokens: int = Field(512, ge=1)
+    """Completion length when a request names none."""
+    max_tokens_limit: int = Field(2048, ge=1)
+    """Upper bound on any request's completion length (also capped by the context)."""
+    max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    """Largest request body accepted (413 beyond)."""
+    require_capacity: bool = False
+    """If true, `/rl/start_session` needs a prior `/grant_capacity` (staleness control by the rollout)."""

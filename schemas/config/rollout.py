@@ -1,0 +1,57 @@
+"""`rollout:` — the agent, its data, and how one step of trajectories is produced."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from schemas.config.base import Block
+
+
+class DatasetConfig(Block):
+    path: str = "examples/data/demo.jsonl"
+    """JSONL file, Parquet file, or a `datasets` dataset saved with `save_to_disk`."""
+    split: str | None = None
+    """Split name for a saved `DatasetDict`."""
+    shuffle: bool = True
+    """Shuffle each epoch (seeded: the same seed gives the same order, so resume is exact)."""
+    seed: int = 0
+    """Shuffle seed."""
+
+
+class RolloutConfig(Block):
+    external: bool = False
+    """If true, run a standalone proxy for external agents (`arl stage proxy`) instead of a built-in agent."""
+    agent: str = "examples/demo_agent.py:DemoAgent"
+    """The agent: `module:attr` or `path/to/file.py:attr` (a class, an instance, or a workflow)."""
+    agent_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the agent's constructor when `agent` names a class."""
+    mode: Literal["inline", "subproc"] = "inline"
+    """`inline` = coroutine in the rollout process; `subproc` = a process pool (sync agents allowed)."""
+    subproc_workers: int = Field(4, ge=1)
+    """Processes in the `subproc` pool."""
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    """The prompts."""
+    batch_size: int = Field(8, ge=1)
+    """Prompts per step."""
+    group_size: int = Field(4, ge=1)
+    """Runs per prompt (a GRPO group)."""
+    max_concurrency: int = Field(32, ge=1)
+    """Most agent runs in flight at once."""
+    run_timeout_s: float = Field(300.0, gt=0)
+    """Deadline for one agent run; a run past it is cancelled and counted as an error."""
+    max_staleness: int = Field(1, ge=0)
+    """Step k may use weights of version >= k - max_staleness (0 = synchronous on-policy)."""
+    export_style: Literal["individual", "concat"] = "concat"
+    """`individual` = one row per LLM call; `concat` = one row per root-to-leaf path."""
+    discount: float = Field(1.0, ge=0, le=1)
+    """Reward discount over the conversation tree."""
+    drop_constant_groups: bool = False
+    """Drop groups whose rewards do not vary (they carry no GRPO signal)."""
+    max_error_rate: float = Field(0.5, ge=0, le=1)
+    """The stage fails when more than this fraction of a step's runs raise or time out."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature the rollout agent is asked to use (passed to the agent as a kwarg)."""
+    wait_timeout_s: float = Field(3600.0, gt=0)
+    """Deadline for waiting on the trainer's weight version."""

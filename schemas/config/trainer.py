@@ -1,0 +1,93 @@
+"""`trainer:` — the algorithm, optimizer, checkpoints and weight publication."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from schemas.config.base import Block
+
+
+class AlgorithmConfig(Block):
+    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    """`grpo` = (r - mean) / std per group; `drgrpo` = r - mean (no std); `rloo` = leave-one-out baseline."""
+    clip_eps: float = Field(0.2, gt=0)
+    """PPO clip range (lower side)."""
+    clip_eps_high: float | None = None
+    """Upper clip range; `None` = `clip_eps` (set higher for clip-higher)."""
+    behav_imp_cap: float | None = 5.0
+    """Cap on the behaviour importance weight pi_prox/pi_behav in the decoupled objective; `None` = uncapped."""
+    behav_imp_mode: Literal["cap", "mask"] = "mask"
+    """`cap` truncates the weight at the cap; `mask` drops tokens above it."""
+    decoupled: bool = True
+    """Recompute proximal log-probs with the current weights (decoupled PPO) instead of trusting behaviour ones."""
+    loss_agg: Literal["token", "sequence"] = "token"
+    """`token` = mean over all tokens of the minibatch; `sequence` = mean over sequences of per-sequence means."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to a frozen reference model (0 = no reference is loaded)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+
+
+class OptimizerConfig(Block):
+    lr: float = Field(1e-5, gt=0)
+    """Peak learning rate (AdamW)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup length in optimizer steps."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warmup, down to `min_lr_ratio * lr` at the last step."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Final learning rate as a fraction of `lr`."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Max global gradient norm."""
+
+
+class MegatronConfig(Block):
+    tp: int = Field(1, ge=1)
+    """Tensor parallel size."""
+    pp: int = Field(1, ge=1)
+    """Pipeline parallel size."""
+    sequence_parallel: bool = False
+    """Sequence parallelism (GPU, needs tp > 1)."""
+
+
+class TrainerConfig(Block):
+    backend: Literal["torch", "megatron"] = "torch"
+    """`torch` = Hugging Face model (FSDP2 across GPUs); `megatron` = megatron-core GPTModel."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """Advantage estimator and policy loss."""
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    """Optimizer and schedule."""
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    """Parallelism of the `megatron` backend."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Training device; `auto` = CUDA when available."""
+    bf16: bool = True
+    """bf16 autocast on GPU (ignored on CPU, which trains in fp32)."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer updates per step (the step's samples are split into this many minibatches)."""
+    micro_batch_tokens: int = Field(16384, ge=64)
+    """Token budget of one packed micro-batch (samples are packed into rows up to this many tokens)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    weight_sync: Literal["disk", "nccl"] = "disk"
+    """`disk` = servers reload the checkpoint; `nccl` = broadcast to servers (gloo on CPU)."""
+    checkpoint_every: int = Field(1, ge=1)
+    """Write an HF-layout checkpoint every this many steps (disk sync writes one every step regardless)."""
+    keep_checkpoints: int = Field(3, ge=1)
+    """Checkpoints kept (older ones are deleted after a newer one is complete)."""
+    wait_timeout_s: float = Field(3600.0, gt=0)
+    """Deadline for a step's trajectories to appear."""
+    publish_timeout_s: float = Field(600.0, gt=0)
+    """Deadline for every inference server to confirm a new weight version."""
+    deterministic: bool = False
+    """Deterministic algorithms and fixed seeds (bitwise-reproducible resume on CPU)."""
+    seed: int = 0
+    """Seed of the trainer's RNGs."""
