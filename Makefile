@@ -1,0 +1,24 @@
+# The two commands of the README, plus helpers. Each target installs what it needs first.
+.PHONY: install demo test test-fast bench lint clean
+
+install:
+	scripts/install.sh dev
+
+demo: install
+	.venv/bin/arl demo
+
+test:
+	scripts/test.sh
+
+test-fast: install
+	.venv/bin/python -m pytest -m "not slow and not slurm and not vllm" -x -q
+
+bench: install
+	.venv/bin/arl bench
+
+lint: install
+	.venv/bin/ruff check .
+	.venv/bin/mypy pipeline stages schemas
+
+clean:
+	rm -rf runs .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it: install, bring up the local Slurm cluster and the vLLM CPU
+# venv (for the `slurm` and `vllm` tests), then ruff, mypy and pytest. Extra args go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install.sh dev
+if [ "${ARL_SKIP_SLURM:-0}" != 1 ] && [ -x scripts/local_slurm.sh ]; then
+    scripts/local_slurm.sh up || echo "warning: local Slurm cluster did not come up; slurm tests will skip"
+fi
+if [ "${ARL_SKIP_VLLM:-0}" != 1 ] && [ -x scripts/vllm_venv.sh ]; then
+    scripts/vllm_venv.sh || echo "warning: vLLM CPU venv not built; vllm tests will skip"
+fi
+.venv/bin/ruff check .
+.venv/bin/mypy pipeline stages schemas
+.venv/bin/python -m pytest "$@"
