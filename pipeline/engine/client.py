@@ -1,0 +1,597 @@
+"""The engine client: one async object over N inference servers that speak SGLang's native protocol.
+
+Used by the proxy (generation) and the trainer (weight publication). It talks to our `hf` server,
+a real SGLang server, or the vLLM adapter the same way, because all of them serve `/generate`.
+
+Routing. Each request goes to the healthy server with the fewest requests *this client* has in
+flight there (true in-flight count, not round robin: agent turns vary by 100x in length). A
+`sticky_key` (the proxy passes the session id) pins a session to the server that served it
+first, so its growing prompt hits that server's prefix cache; the pin moves only when that
+server fails.
+
+Failure. A connection error (refused, reset, server gone) marks the server unhealthy and the
+request is retried on another server; a 4xx is the caller's fault and is raised at once, never
+retried. A background task re-checks `/health` every `health_interval_s` and re-reads the URL
+list when it is a callable (the registry directory), so servers that come and go are followed.
+
+Cancellation. When the task awaiting a request is cancelled (the agent hung up), the client
+tells the server to stop decoding it (`POST /abort_request {"rid"}`), so abandoned requests do not
+hold batch slots. The same happens when the per-request timeout fires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+log = logging.getLogger("arl.engine.client")
+
+_STICKY_CAPACITY = 65536  # sessions remembered; the oldest pins are forgotten first
+_ADMIN_TIMEOUT_S = 600.0  # weight loads can be slow on a big model
+_ABORT_TIMEOUT_S = 5.0
+# Errors after which the same request can safely go to another server: the connection failed or
+# the server vanished. Timeouts are not here: the server may still be generating.
+_CONNECTION_ERRORS = (aiohttp.ClientConnectionError, ConnectionError)
+
+
+@dataclass
+class GenerateResult:
+    """One finished completion."""
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    matched: int | str | None  # stop token id or stop string that ended generation
+    weight_version: int
+    prompt_tokens: int
+    completion_tokens: int
+    server: str
+
+
+@dataclass
+class GenerateChunk:
+    """One streamed increment: the tokens (and their logprobs) new since the previous chunk."""
+
+    new_ids: list[int]
+    new_logprobs: list[float]
+    finish_reason: str | None
+    matched: int | str | None
+    weight_version: int | None
+
+
+class EngineError(Exception):
+    """An inference server (or all of them) failed a request.
+
+    `status` is the HTTP status (None for connection errors and timeouts); `server` the URL, or a
+    comma-separated list when an admin call failed on several servers.
+    """
+
+    def __init__(self, message: str, *, status: int | None = None, server: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.server = server
+
+
+@dataclass
+class _Server:
+    url: str
+    inflight: int = 0
+    healthy: bool = True
+    last_error: str | None = None
+
+
+@dataclass
+class _StreamState:
+    """What a stream has delivered so far, to turn cumulative chunks into increments."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+def parse_weight_version(value: Any) -> int:
+    """SGLang reports `weight_version` as a string ("default" before any update): map it to an int.
+
+    arl always sets it to the decimal version number; "default" (a real SGLang server started
+    without `--weight-version`) means the initial weights, version 0.
+    """
+    if value is None or value == "default":
+        return 0
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise EngineError(f"server reported a non-integer weight_version {value!r}; arl versions are integers "
+                          "(start SGLang with --weight-version 0)") from None  # fmt: skip
+
+
+def parse_finish_reason(meta: dict[str, Any]) -> tuple[str | None, int | str | None]:
+    """(type, matched) from SGLang's `meta_info.finish_reason` (None while a stream is unfinished)."""
+    reason = meta.get("finish_reason")
+    if reason is None:
+        return None, None
+    if isinstance(reason, str):  # some servers send a bare string
+        return reason, None
+    kind = str(reason.get("type", "stop"))
+    return kind, reason.get("matched")
+
+
+def _logprob_values(meta: dict[str, Any]) -> list[float]:
+    entries = meta.get("output_token_logprobs") or []
+    return [float(entry[0]) if entry[0] is not None else float("nan") for entry in entries]
+
+
+class EngineClient:
+    """Async client over N inference servers (see the module docstring for routing and failure)."""
+
+    def __init__(
+        self,
+        urls: list[str] | Callable[[], list[str]],
+        *,
+        request_timeout_s: float = 600.0,
+        health_interval_s: float = 5.0,
+    ) -> None:
+        self._url_source = urls
+        self.request_timeout_s = request_timeout_s
+        self.health_interval_s = health_interval_s
+        self._servers: dict[str, _Server] = {}
+        self._sticky: OrderedDict[str, str] = OrderedDict()
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self._refresh_urls()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Open the HTTP session and start the background health checks (idempotent)."""
+        if self._session is None:
+            # No total limit on connections: the proxy may hold hundreds of streams at once.
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+            self._session = aiohttp.ClientSession(connector=connector)
+        if self._health_task is None and self.health_interval_s > 0:
+            self._health_task = asyncio.create_task(self._health_loop(), name="engine-client-health")
+
+    async def close(self) -> None:
+        """Stop health checks, let pending aborts finish (briefly), close the session."""
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        if self._background:
+            await asyncio.wait(self._background, timeout=_ABORT_TIMEOUT_S)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> EngineClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self._servers)
+
+    def inflight(self) -> dict[str, int]:
+        """Requests this client has in flight per server (for metrics and tests)."""
+        return {url: server.inflight for url, server in self._servers.items()}
+
+    # -- generation -------------------------------------------------------------------------
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict[str, Any], *, sticky_key: str | None = None
+    ) -> GenerateResult:
+        """Generate one completion; fails over to another server on connection errors."""
+        _check_single(sampling_params)
+        body = self._body(input_ids, sampling_params, stream=False)
+        tried: list[str] = []
+        while True:
+            server = self._pick(sticky_key, exclude=tried)
+            tried.append(server.url)
+            try:
+                data = await self._tracked(server, body["rid"], self._post_generate(server.url, body))
+            except _Retryable as exc:
+                self._mark_down(server, str(exc))
+                if sticky_key is not None:
+                    self._sticky.pop(sticky_key, None)
+                if self._pick_or_none(sticky_key, exclude=tried) is None:
+                    raise EngineError(f"every inference server failed for this request; tried {tried}: {exc}",
+                                      server=server.url) from exc  # fmt: skip
+                log.warning("server %s failed (%s); retrying on another server", server.url, exc)
+                continue
+            return _result_from(data, server.url)
+
+    async def generate_stream(
+        self, input_ids: list[int], sampling_params: dict[str, Any], *, sticky_key: str | None = None
+    ) -> AsyncIterator[GenerateChunk]:
+        """Yield increments as the server produces them.
+
+        Fails over only before the first chunk arrived: after that, tokens have reached the caller
+        and a restart elsewhere would produce a different continuation.
+        """
+        _check_single(sampling_params)
+        body = self._body(input_ids, sampling_params, stream=True)
+        tried: list[str] = []
+        while True:
+            server = self._pick(sticky_key, exclude=tried)
+            tried.append(server.url)
+            state = _StreamState()
+            inner = self._stream_from(server, body, state)
+            try:
+                async for chunk in inner:
+                    yield chunk
+                return
+            except _Retryable as exc:
+                self._mark_down(server, str(exc))
+                if sticky_key is not None:
+                    self._sticky.pop(sticky_key, None)
+                if state.ids or self._pick_or_none(sticky_key, exclude=tried) is None:
+                    raise EngineError(f"stream from {server.url} failed after {len(state.ids)} tokens: {exc}",
+                                      server=server.url) from exc  # fmt: skip
+                log.warning("server %s failed before streaming (%s); retrying elsewhere", server.url, exc)
+            finally:
+                # The caller may stop iterating early: close the inner stream now so it aborts the
+                # request on the server instead of whenever the generator is garbage collected.
+                await inner.aclose()
+
+    async def _stream_from(
+        self, server: _Server, body: dict[str, Any], state: _StreamState
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        rid = body["rid"]
+        server.inflight += 1
+        # aiohttp's own deadline, not asyncio.timeout: a generator suspended at `yield` must not
+        # cancel whatever the consumer's task is doing when the deadline passes.
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+        try:
+            async with self._http().post(f"{server.url}/generate", json=body, timeout=timeout) as resp:
+                await _raise_for_status(resp, server.url)
+                async for payload in _sse_payloads(resp):
+                    chunk = _chunk_from(payload, state)
+                    if chunk is not None:
+                        yield chunk
+        except _CONNECTION_ERRORS as exc:
+            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+        except TimeoutError:
+            self._abort_later(server.url, rid)
+            raise EngineError(f"stream from {server.url} timed out after {self.request_timeout_s}s "
+                              "(raise inference.request_timeout_s?)", server=server.url) from None  # fmt: skip
+        except (asyncio.CancelledError, GeneratorExit):
+            self._abort_later(server.url, rid)
+            raise
+        finally:
+            server.inflight -= 1
+
+    def _body(self, input_ids: list[int], sampling_params: dict[str, Any], *, stream: bool) -> dict[str, Any]:
+        return {"input_ids": list(input_ids), "sampling_params": dict(sampling_params), "return_logprob": True,
+                "stream": stream, "rid": uuid.uuid4().hex}  # fmt: skip
+
+    async def _tracked(self, server: _Server, rid: str, work: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+        """Count the request as in flight; abort it on the server if we are cancelled or time out."""
+        server.inflight += 1
+        try:
+            async with asyncio.timeout(self.request_timeout_s):
+                return await work
+        except TimeoutError:
+            self._abort_later(server.url, rid)
+            raise EngineError(f"request to {server.url} timed out after {self.request_timeout_s}s "
+                              "(raise inference.request_timeout_s?)", server=server.url) from None  # fmt: skip
+        except asyncio.CancelledError:
+            self._abort_later(server.url, rid)
+            raise
+        finally:
+            server.inflight -= 1
+
+    async def _post_generate(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            async with self._http().post(f"{url}/generate", json=body) as resp:
+                await _raise_for_status(resp, url)
+                data = await resp.json(content_type=None)
+        except _CONNECTION_ERRORS as exc:
+            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+        if isinstance(data, list):  # a server that answers a single prompt as a batch of one
+            data = data[0]
+        if not isinstance(data, dict):
+            raise EngineError(f"{url}/generate answered {type(data).__name__}, expected an object", server=url)
+        return data
+
+    # -- routing ----------------------------------------------------------------------------
+    def _pick(self, sticky_key: str | None, exclude: list[str]) -> _Server:
+        server = self._pick_or_none(sticky_key, exclude)
+        if server is None:
+            if not self._servers:
+                raise EngineError("no inference servers known: is the inference stage running and has it "
+                                  "written registry/inference/*.json?")  # fmt: skip
+            states = {url: s.last_error or "excluded" for url, s in self._servers.items()}
+            raise EngineError(f"no usable inference server: {states}")
+        if sticky_key is not None:
+            self._sticky[sticky_key] = server.url
+            self._sticky.move_to_end(sticky_key)
+            while len(self._sticky) > _STICKY_CAPACITY:
+                self._sticky.popitem(last=False)
+        return server
+
+    def _pick_or_none(self, sticky_key: str | None, exclude: list[str]) -> _Server | None:
+        if not self._servers:
+            self._refresh_urls()
+        candidates = [s for s in self._servers.values() if s.url not in exclude]
+        if sticky_key is not None:
+            pinned = self._servers.get(self._sticky.get(sticky_key, ""))
+            if pinned is not None and pinned.healthy and pinned.url not in exclude:
+                return pinned
+        healthy = [s for s in candidates if s.healthy]
+        # When every server looks down, try them anyway: the health view may be stale.
+        pool = healthy or candidates
+        if not pool:
+            return None
+        return min(pool, key=lambda s: s.inflight)
+
+    def _mark_down(self, server: _Server, error: str) -> None:
+        server.healthy = False
+        server.last_error = error
+
+    def _refresh_urls(self) -> None:
+        source = self._url_source
+        urls = source() if callable(source) else source
+        fresh = [u.rstrip("/") for u in urls]
+        kept = {u: self._servers.get(u) or _Server(u) for u in fresh}
+        # A server dropped from the list keeps its in-flight requests; only routing forgets it.
+        self._servers = kept  # type: ignore[assignment]
+
+    # -- health -----------------------------------------------------------------------------
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self.check_health()
+            except Exception as exc:  # the loop must survive a broken registry read
+                log.warning("health check round failed: %s", exc)
+
+    async def check_health(self) -> dict[str, bool]:
+        """Re-read the URL list and probe `/health` on every server now; returns url -> healthy."""
+        if callable(self._url_source):
+            self._refresh_urls()
+        servers = list(self._servers.values())
+        results = await asyncio.gather(*(self._probe(s) for s in servers))
+        return {s.url: ok for s, ok in zip(servers, results, strict=True)}
+
+    async def _probe(self, server: _Server) -> bool:
+        try:
+            async with asyncio.timeout(max(self.health_interval_s, 2.0)):
+                async with self._http().get(f"{server.url}/health") as resp:
+                    ok = resp.status == 200
+                    server.last_error = None if ok else f"/health answered {resp.status}"
+        except (TimeoutError, *_CONNECTION_ERRORS) as exc:
+            ok = False
+            server.last_error = f"/health: {type(exc).__name__}: {exc}"
+        if ok != server.healthy:
+            log.info("server %s is now %s", server.url, "healthy" if ok else f"down ({server.last_error})")
+        server.healthy = ok
+        return ok
+
+    # -- admin fan-out ------------------------------------------------------------------------
+    async def model_info(self) -> dict[str, Any]:
+        """`/get_model_info` of the first server that answers."""
+        errors = []
+        for url in self._admin_urls():
+            try:
+                return await self._admin(url, "GET", "/get_model_info")
+            except EngineError as exc:
+                errors.append(f"{url}: {exc}")
+        raise EngineError(f"no server answered /get_model_info: {errors}")
+
+    async def weight_version(self) -> int:
+        """The lowest weight version over all servers (what every server has at least)."""
+        answers = await self._fan_out("GET", "/get_weight_version", None)
+        return min(parse_weight_version(a.get("weight_version")) for a in answers.values())
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
+        """Every server reloads its weights from `model_path` (a Hugging Face dir) and reports `weight_version`."""
+        body = {"model_path": str(model_path), "weight_version": str(weight_version)}
+        await self._fan_out("POST", "/update_weights_from_disk", body)
+
+    async def server_tp_sizes(self) -> dict[str, int]:
+        """Tensor-parallel size of each server (`/get_server_info`), in routing order."""
+        answers = await self._fan_out("GET", "/get_server_info", None)
+        return {url: int(answers[url].get("tp_size", 1) or 1) for url in self._admin_urls()}
+
+    async def weights_group_world_size(self) -> int:
+        """World size of the broadcast group: the trainer (rank 0) + every server's TP ranks.
+
+        The trainer needs it before it joins the group, i.e. before `init_weights_update_group`
+        returns (every rank blocks until all have joined).
+        """
+        return 1 + sum((await self.server_tp_sizes()).values())
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, group_name: str,
+                                        backend: str) -> int:  # fmt: skip
+        """Ask every server to join the broadcast group; server i's ranks start at 1 + sum(tp of servers < i).
+
+        Returns the world size. The trainer must join as rank 0 concurrently (this call completes
+        only when every rank has joined).
+        """
+        sizes = await self.server_tp_sizes()
+        world_size = 1 + sum(sizes.values())
+        offsets, next_rank = {}, 1
+        for url, tp in sizes.items():
+            offsets[url], next_rank = next_rank, next_rank + tp
+        bodies = {url: {"master_address": master_address, "master_port": int(master_port), "rank_offset": offsets[url],
+                        "world_size": world_size, "group_name": group_name, "backend": backend}
+                  for url in sizes}  # fmt: skip
+        await self._fan_out("POST", "/init_weights_update_group", bodies)
+        return world_size
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str, weight_version: int) -> None:  # fmt: skip
+        """Every server receives the named tensors from the group's rank 0 (broadcast in `names` order)."""
+        body = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+                "group_name": group_name, "weight_version": str(weight_version), "flush_cache": True}  # fmt: skip
+        await self._fan_out("POST", "/update_weights_from_distributed", body)
+
+    async def pause_generation(self) -> None:
+        """Every server stops scheduling decode steps (requests in flight wait, they are not dropped)."""
+        await self._fan_out("POST", "/pause_generation", {"mode": "in_place"})
+
+    async def continue_generation(self) -> None:
+        await self._fan_out("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> None:
+        await self._fan_out("POST", "/flush_cache", None)
+
+    def _admin_urls(self) -> list[str]:
+        if callable(self._url_source):
+            self._refresh_urls()
+        if not self._servers:
+            raise EngineError("no inference servers known: is the inference stage running?")
+        return list(self._servers)
+
+    async def _fan_out(self, method: str, path: str, body: Any) -> dict[str, dict[str, Any]]:
+        """Call `path` on every server at once; raise one error naming every server that failed."""
+        urls = self._admin_urls()
+        per_url = body if isinstance(body, dict) and set(body) == set(urls) and urls else None
+
+        async def one(url: str) -> dict[str, Any]:
+            return await self._admin(url, method, path, per_url[url] if per_url else body)
+
+        results = await asyncio.gather(*(one(u) for u in urls), return_exceptions=True)
+        failed = {u: r for u, r in zip(urls, results, strict=True) if isinstance(r, BaseException)}
+        if failed:
+            detail = "; ".join(f"{u}: {e}" for u, e in failed.items())
+            statuses = {e.status for e in failed.values() if isinstance(e, EngineError)}
+            status = statuses.pop() if len(statuses) == 1 else None
+            raise EngineError(f"{path} failed on {len(failed)} of {len(urls)} servers: {detail}", status=status,
+                              server=",".join(failed))  # fmt: skip
+        return {u: r for u, r in zip(urls, results, strict=True) if isinstance(r, dict)}
+
+    async def _admin(self, url: str, method: str, path: str, body: Any = None) -> dict[str, Any]:
+        try:
+            async with asyncio.timeout(_ADMIN_TIMEOUT_S):
+                async with self._http().request(method, f"{url}{path}", json=body) as resp:
+                    await _raise_for_status(resp, url)
+                    text = await resp.text()
+        except _CONNECTION_ERRORS as exc:
+            raise EngineError(f"{url}{path}: {type(exc).__name__}: {exc}", server=url) from exc
+        except TimeoutError:
+            raise EngineError(f"{url}{path} timed out after {_ADMIN_TIMEOUT_S}s", server=url) from None
+        data = _json_or_text(text)
+        if isinstance(data, dict) and data.get("success") is False:
+            raise EngineError(f"{url}{path}: {data.get('message', data)}", status=resp.status, server=url)
+        return data if isinstance(data, dict) else {"result": data}
+
+    # -- abort ------------------------------------------------------------------------------
+    def _abort_later(self, url: str, rid: str) -> None:
+        """Fire-and-forget `/abort_request`: runs even though the caller's task is being cancelled."""
+        task = asyncio.get_running_loop().create_task(self._abort(url, rid))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort(self, url: str, rid: str) -> None:
+        try:
+            async with asyncio.timeout(_ABORT_TIMEOUT_S):
+                async with self._http().post(f"{url}/abort_request", json={"rid": rid}) as resp:
+                    await resp.read()
+        except Exception as exc:  # best effort: the server may be the reason we gave up
+            log.info("abort of %s on %s failed: %s", rid, url, exc)
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("EngineClient used before start(): `await client.start()` or `async with client`")
+        return self._session
+
+
+class _Retryable(Exception):
+    """A connection-level failure: the request may go to another server."""
+
+
+def _check_single(sampling_params: dict[str, Any]) -> None:
+    n = sampling_params.get("n", 1)
+    if n != 1:
+        raise ValueError(f"sampling_params.n={n!r}: EngineClient.generate returns one completion; "
+                         "issue n concurrent calls with the same sticky_key instead")  # fmt: skip
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        return text
+
+
+async def _raise_for_status(resp: aiohttp.ClientResponse, url: str) -> None:
+    if resp.status < 400:
+        return
+    text = await resp.text()
+    data = _json_or_text(text)
+    message: Any = data
+    if isinstance(data, dict):
+        err = data.get("error", data)
+        message = err.get("message", err) if isinstance(err, dict) else err
+    if resp.status == 503:  # paused or starting: another server may serve it
+        raise _Retryable(f"{url} answered 503: {message}")
+    raise EngineError(f"{url} answered {resp.status}: {message}", status=resp.status, server=url)
+
+
+async def _sse_payloads(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """The JSON objects of an SSE stream (`data: {...}` lines, ending at `data: [DONE]`)."""
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        payload = json.loads(data)
+        if isinstance(payload, dict) and "error" in payload and "meta_info" not in payload:
+            err = payload["error"]
+            message = err.get("message", err) if isinstance(err, dict) else err
+            raise EngineError(f"{resp.url} failed mid-stream: {message}", server=str(resp.url))
+        yield payload
+
+
+def _result_from(data: dict[str, Any], url: str) -> GenerateResult:
+    meta = data.get("meta_info") or {}
+    ids = [int(t) for t in data.get("output_ids") or []]
+    logprobs = _logprob_values(meta)
+    reason, matched = parse_finish_reason(meta)
+    if len(logprobs) != len(ids):
+        raise EngineError(f"{url} returned {len(ids)} output ids but {len(logprobs)} logprobs", server=url)
+    return GenerateResult(
+        output_ids=ids, output_logprobs=logprobs, finish_reason=reason or "stop", matched=matched,
+        weight_version=parse_weight_version(meta.get("weight_version")),
+        prompt_tokens=int(meta.get("prompt_tokens", 0)), completion_tokens=int(meta.get("completion_tokens", len(ids))),
+        server=url,
+    )  # fmt: skip
+
+
+def _chunk_from(payload: dict[str, Any], state: _StreamState) -> GenerateChunk | None:
+    """Turn one SSE payload into an increment.
+
+    SGLang streams *cumulative* `output_ids` / `output_token_logprobs` by default and deltas with
+    `--incremental-streaming-output`; `meta_info.completion_tokens` is cumulative in both, which
+    tells the two apart.
+    """
+    meta = payload.get("meta_info") or {}
+    ids = [int(t) for t in payload.get("output_ids") or []]
+    logprobs = _logprob_values(meta)
+    total = int(meta.get("completion_tokens", len(state.ids) + len(ids)))
+    if len(ids) == total and len(state.ids) <= total:  # cumulative
+        new_ids = ids[len(state.ids):]
+    else:
+        new_ids = ids
+    new_lps = logprobs[len(state.logprobs):] if len(logprobs) == total else logprobs
+    state.ids.extend(new_ids)
+    state.logprobs.extend(new_lps)
+    reason, matched = parse_finish_reason(meta)
+    if not new_ids and reason is None:
+        return None
+    version = meta.get("weight_version")
+    return GenerateChunk(new_ids=new_ids, new_logprobs=new_lps, finish_reason=reason, matched=matched,
+                         weight_version=parse_weight_version(version) if version is not None else None)  # fmt: skip

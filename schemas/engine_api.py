@@ -1,0 +1,215 @@
+"""HTTP contract of the inference servers: SGLang's native protocol (SPEC §5), and registry entries.
+
+Field names are SGLang's own (`python/sglang/srt/managers/io_struct.py`: `GenerateReqInput`,
+`UpdateWeightFromDiskReqInput`, `InitWeightsUpdateGroupReqInput`,
+`UpdateWeightsFromDistributedReqInput`, `AbortReq`, `PauseGenerationReqInput`; sampling fields
+from `sampling/sampling_params.py`), so a client of our `hf` server works unchanged against a real
+SGLang server. Our server accepts the subset it implements and refuses the rest with a 400 that
+names the field, rather than silently ignoring (say) a `repetition_penalty` it would not apply.
+
+Response of `POST /generate` (one prompt, `n` = 1; a batch or `n` > 1 answers a list of these,
+prompt-major):
+
+    {"text": "...", "output_ids": [17, 42, 2],
+     "meta_info": {"id": "<rid>", "prompt_tokens": 12, "completion_tokens": 3,
+                   "finish_reason": {"type": "stop", "matched": 2},   # or {"type": "length", "length": 3}
+                   "output_token_logprobs": [[-0.11, 17, null], [-2.3, 42, null], [-0.01, 2, null]],
+                   "weight_version": "4"}}
+
+`weight_version` is a string, as in SGLang; arl always puts the decimal version number there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# SGLang sampling fields we accept only at their neutral value: a request that sets them expects
+# an effect the hf engine does not implement, so it is refused with the field named.
+NEUTRAL_SAMPLING_FIELDS: dict[str, Any] = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "regex": None,
+    "json_schema": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+    "custom_params": None,
+    "stop_regex": None,
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingParams(_Strict):
+    """`sampling_params` of `/generate`, SGLang names and defaults."""
+
+    max_new_tokens: int = Field(128, ge=0)
+    temperature: float = Field(1.0, ge=0.0)
+    """0 (or below 1e-6) means greedy, as in SGLang."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    """-1 = the whole vocabulary."""
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=64)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    """Keep a matched stop string in `text` (token ids are never trimmed)."""
+    sampling_seed: int | None = None
+    """Seed of this request's sampler (reproducible sampling); None = the server's generator."""
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    logit_bias: dict[str, float] | None = None
+    custom_params: dict[str, Any] | None = None
+    stop_regex: str | list[str] | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _neutral(self) -> SamplingParams:
+        for name, neutral in NEUTRAL_SAMPLING_FIELDS.items():
+            if getattr(self, name) != neutral:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not supported by the hf engine "
+                    f"(only the neutral value {neutral!r}); use an sglang or vllm server for it"
+                )
+        return self
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+
+
+class GenerateReqInput(_Strict):
+    """Body of `POST /generate`. Either `input_ids` or `text`, single or batched."""
+
+    input_ids: list[int] | list[list[int]] | None = None
+    text: str | list[str] | None = None
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    session_id: str | None = None
+    """Accepted for SGLang compatibility (routing identity); the hf engine does not use it."""
+    log_metrics: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateReqInput:
+        if (self.input_ids is None) == (self.text is None):
+            raise ValueError("give exactly one of input_ids (token ids) or text")
+        for name in ("logprob_start_len", "top_logprobs_num"):
+            values = getattr(self, name)
+            default = -1 if name == "logprob_start_len" else 0
+            if any(v != default for v in (values if isinstance(values, list) else [values])):
+                raise ValueError(f"{name} is not supported by the hf engine (output-token logprobs only)")
+        return self
+
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)  # type: ignore[index]
+
+
+class AbortReq(_Strict):
+    rid: str | None = ""
+    abort_all: bool = False
+    finished_reason: dict[str, Any] | None = None
+    abort_message: str | None = None
+
+
+class PauseGenerationReqInput(_Strict):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+    """`abort`: finish every running request now with finish_reason abort; `in_place` / `retract`:
+    stop decoding and keep requests to continue after `/continue_generation`."""
+
+
+class UpdateWeightFromDiskReqInput(_Strict):
+    model_path: str = Field(min_length=1)
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | int | None = None
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    flush_cache: bool = True
+
+
+class InitWeightsUpdateGroupReqInput(_Strict):
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    """This server's first rank; rank 0 is the trainer (the broadcast source)."""
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: Literal["gloo", "nccl"] = "nccl"
+
+    @model_validator(mode="after")
+    def _rank_fits(self) -> InitWeightsUpdateGroupReqInput:
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset {self.rank_offset} must be < world_size {self.world_size}")
+        return self
+
+
+class UpdateWeightsFromDistributedReqInput(_Strict):
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | int | None = None
+    load_format: str | None = None
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> UpdateWeightsFromDistributedReqInput:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError(f"names, dtypes and shapes must have equal lengths, got "
+                             f"{len(self.names)}, {len(self.dtypes)}, {len(self.shapes)}")  # fmt: skip
+        return self
+
+
+class InferenceEntry(BaseModel):
+    """`registry/inference/<server>.json`: one running inference server (written by `stages.inference`).
+
+    Example: {"url": "http://10.0.0.5:30001", "backend": "hf", "model_path": "/runs/x/checkpoints/step_000003",
+    "weight_version": 3, "host": "node17", "pid": 4242, "started_at": 1795000000.0, "tp_size": 1}
+    """
+
+    model_config = ConfigDict(extra="ignore")  # newer writers may add fields; readers keep working
+
+    url: str
+    backend: Literal["hf", "vllm", "sglang"]
+    model_path: str
+    weight_version: int = Field(ge=0)
+    """Version the server loaded at start (later updates are reported by `/get_weight_version`)."""
+    host: str
+    pid: int
+    started_at: float
+    """Epoch seconds."""
+    tp_size: int = Field(1, ge=1)
