@@ -114,7 +114,7 @@ def remove_published(final: str | Path) -> None:
 
 def clean_stale_tmp(parent: str | Path) -> list[Path]:
     """Delete leftovers of writers killed mid-publish (`*.tmp` files and dirs) under `parent`."""
-    removed = []
+    removed: list[Path] = []
     parent = Path(parent)
     if not parent.exists():
         return removed
