@@ -1,0 +1,94 @@
+"""The trainer backend interface and its factory (chosen by `trainer.backend`).
+
+A backend owns the model, the optimizer and the scheduler, and runs forward/backward passes.
+Everything else is shared and backend-independent: loading and checking the step (`data.py`),
+advantages, packing into micro-batches, the loss (`losses.policy_loss`, called by the backend on
+flat token tensors), HF-layout checkpoints, the trainer state directory, weight publication and
+metrics. A new backend (e.g. megatron, issue #8) implements these few methods and converts its
+weights to Hugging Face names in `hf_state_dict`; see docs/architecture.md "Trainer backend".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipeline.trainer.losses import LossOutput, TokenBatch
+    from pipeline.trainer.packing import MicroBatch
+    from schemas.config import ArlConfig
+
+LossFn = Callable[["torch.Tensor", "torch.Tensor | None", "TokenBatch"], "LossOutput"]
+"""(log-probs [T], entropy [T] or None, token batch) -> the micro-batch's loss and diagnostics."""
+
+
+@dataclass
+class MinibatchStats:
+    """What one optimizer update reports (sums are over this rank's tokens; the loop all-reduces them)."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    """Tokens forwarded (packed rows, prompt included): the throughput numerator."""
+    sums: dict[str, float] = field(default_factory=dict)
+    maxima: dict[str, float] = field(default_factory=dict)
+
+
+class TrainBackend(Protocol):
+    rank: int
+    world_size: int
+    num_params: int
+    """Parameters of the policy (for MFU: 6 * N * tokens FLOPs per update)."""
+
+    def load(self, weights: Path, state: Path | None) -> None:
+        """Load HF-layout weights (one version) and, when given, the optimizer/scheduler state saved with
+        them (`save_state`'s directory). Called once per process, before any other method."""
+        ...
+
+    def logprobs(self, micro: MicroBatch, *, reference: bool = False) -> torch.Tensor:
+        """Per-token log-probs [T] (fp32, CPU, no grad) of the current policy, or of the frozen reference
+        (loaded only when `kl_coef > 0`)."""
+        ...
+
+    def train_minibatch(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> MinibatchStats:
+        """Forward/backward each micro-batch summing `loss_fn`'s losses, clip the global grad norm, then one
+        optimizer and scheduler step. Collective across data-parallel ranks."""
+        ...
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights under Hugging Face names, on CPU in the checkpoint dtype, on rank 0 (empty dict on
+        other ranks). Collective."""
+        ...
+
+    def save_state(self, out_dir: Path) -> None:
+        """Write optimizer and scheduler state for exact resume into `out_dir` (rank 0 writes). Collective."""
+        ...
+
+    def close(self) -> None:
+        """Release the model, optimizer and process group."""
+        ...
+
+
+def make_backend(config: ArlConfig, total_updates: int) -> TrainBackend:
+    """The backend named by `trainer.backend`."""
+    name = config.trainer.backend
+    if name == "torch":
+        from pipeline.trainer.torch_backend import TorchBackend
+
+        return TorchBackend(config, total_updates)
+    if name == "megatron":
+        try:
+            from pipeline.trainer.megatron_backend import MegatronBackend  # type: ignore[import-not-found]
+        except ImportError as exc:
+            from pipeline.errors import ConfigError
+
+            raise ConfigError(
+                f"trainer.backend=megatron is not available in this install ({exc}); use trainer.backend=torch"
+            ) from exc
+        return MegatronBackend(config, total_updates)  # type: ignore[no-any-return]
+    raise ValueError(f"unknown trainer.backend {name!r}; valid: torch, megatron")

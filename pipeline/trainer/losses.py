@@ -1,0 +1,156 @@
+"""Policy losses as pure functions over flat token tensors (one implementation for every backend).
+
+Every tensor here is 1-D over the tokens of one micro-batch, aligned so that position t holds the
+log-probability of the token *predicted* at t (see `packing.py`). Aggregation (token- or
+sequence-level mean over a minibatch) is folded into per-token `weights` built by the packer, so a
+micro-batch's loss is `sum(weights * per_token_loss)` and the sum over micro-batches (and over
+data-parallel ranks) is exactly the minibatch loss, whatever the packing.
+
+Decoupled PPO (AReaL, "Decoupled PPO objective"): with behaviour log-probs `behav` (the engine
+that sampled), proximal log-probs `prox` (the policy at the start of the step) and current `logp`,
+
+    ratio   = exp(logp - prox)                                  (trust region around prox)
+    pg      = max(-A * ratio, -A * clip(ratio, 1 - eps_lo, 1 + eps_hi))
+    w_behav = exp(prox - behav)                                 (off-policy correction)
+    loss_t  = w_behav * pg          with w_behav capped (`cap`) or the token dropped (`mask`)
+
+When not decoupled, `prox = behav` and this is plain PPO-clip against the behaviour policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from schemas.config.trainer import AlgorithmConfig
+
+
+@dataclass
+class TokenBatch:
+    """The per-token inputs of the loss for one micro-batch (all 1-D, same length T)."""
+
+    mask: torch.Tensor
+    """1.0 on tokens that are trained, 0.0 elsewhere (prompt, tool output, sample ends)."""
+    weights: torch.Tensor
+    """Aggregation weight per token (0 where mask is 0); sums to 1 over a whole minibatch."""
+    advantages: torch.Tensor
+    """The sample's advantage broadcast over its tokens."""
+    behav_logp: torch.Tensor
+    """Behaviour log-probs recorded by the engine."""
+    prox_logp: torch.Tensor | None = None
+    """Proximal log-probs (current weights before the update); None = use `behav_logp`."""
+    ref_logp: torch.Tensor | None = None
+    """Frozen reference log-probs; needed only when `kl_coef > 0`."""
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    """Scalar to backpropagate: this micro-batch's share of the minibatch loss."""
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Detached token sums of diagnostics (divide by `sums['tokens']` after summing micro-batches)."""
+    maxima: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Detached maxima of diagnostics."""
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || ref) from samples of pi: exp(d) - d - 1 with d = ref - logp (>= 0)."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1.0
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax over the last dim, per position (computed in fp32)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[targets] per position, in fp32 (bf16 log-probs are too coarse for ratios)."""
+    logits = logits.float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def behaviour_weight(
+    prox_logp: torch.Tensor, behav_logp: torch.Tensor, cap: float | None, mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(importance weight pi_prox/pi_behav, keep-mask) with the cap applied per `mode` (`cap` | `mask`)."""
+    weight = torch.exp(prox_logp - behav_logp)
+    keep = torch.ones_like(weight)
+    if cap is not None:
+        if mode == "mask":
+            keep = (weight <= cap).to(weight.dtype)
+        elif mode == "cap":
+            weight = weight.clamp(max=cap)
+        else:
+            raise ValueError(f"behav_imp_mode must be 'cap' or 'mask', got {mode!r}")
+    return weight, keep
+
+
+def policy_loss(
+    logp: torch.Tensor, entropy: torch.Tensor | None, batch: TokenBatch, algo: AlgorithmConfig
+) -> LossOutput:
+    """The PPO-clip (decoupled) loss with optional KL-to-reference and entropy terms, plus diagnostics."""
+    mask = batch.mask
+    adv = batch.advantages
+    behav = batch.behav_logp
+    prox = batch.prox_logp if batch.prox_logp is not None else behav
+    eps_lo = algo.clip_eps
+    eps_hi = algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps
+
+    ratio = torch.exp(logp - prox)
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * ratio.clamp(1.0 - eps_lo, 1.0 + eps_hi)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    imp_weight, keep = behaviour_weight(prox, behav, algo.behav_imp_cap, algo.behav_imp_mode)
+    per_token = pg * imp_weight.detach() * keep
+
+    kl_ref = None
+    if algo.kl_coef > 0:
+        if batch.ref_logp is None:
+            raise ValueError("kl_coef > 0 but the batch has no reference log-probs")
+        kl_ref = kl_k3(logp, batch.ref_logp)
+        per_token = per_token + algo.kl_coef * kl_ref * keep
+    if algo.entropy_coef != 0:
+        if entropy is None:
+            raise ValueError("entropy_coef != 0 needs the per-token entropy")
+        per_token = per_token - algo.entropy_coef * entropy * keep
+    loss = (batch.weights * per_token).sum()
+    return LossOutput(loss=loss, **_diagnostics(logp, prox, behav, ratio, pg_unclipped, pg_clipped, imp_weight,
+                                                 keep, mask, entropy, kl_ref))  # fmt: skip
+
+
+def _diagnostics(
+    logp: torch.Tensor,
+    prox: torch.Tensor,
+    behav: torch.Tensor,
+    ratio: torch.Tensor,
+    pg_unclipped: torch.Tensor,
+    pg_clipped: torch.Tensor,
+    imp_weight: torch.Tensor,
+    keep: torch.Tensor,
+    mask: torch.Tensor,
+    entropy: torch.Tensor | None,
+    kl_ref: torch.Tensor | None,
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Token sums and maxima of what a person watches during training (all detached)."""
+    with torch.no_grad():
+        log_r = logp.detach() - behav  # current vs behaviour: the policy's drift since sampling
+        sums = {
+            "tokens": mask.sum(),
+            "kl_behav_k1": (-log_r * mask).sum(),
+            "kl_behav_k3": ((torch.exp(log_r) - 1.0 - log_r) * mask).sum(),
+            "clip_frac": ((pg_clipped > pg_unclipped).to(mask.dtype) * mask).sum(),
+            "ratio": (ratio.detach() * mask).sum(),
+            "imp_weight": (imp_weight * mask).sum(),
+            "imp_masked_frac": ((1.0 - keep) * mask).sum(),
+            "prox_behav_diff": ((prox - behav).abs() * mask).sum(),
+        }
+        if entropy is not None:
+            sums["entropy"] = (entropy.detach() * mask).sum()
+        if kl_ref is not None:
+            sums["kl_ref"] = (kl_ref.detach() * mask).sum()
+        neg_inf = torch.tensor(float("-inf"), dtype=imp_weight.dtype, device=imp_weight.device)
+        maxima = {"imp_weight_max": torch.where(mask > 0, imp_weight, neg_inf).max()}
+    return {"sums": sums, "maxima": maxima}

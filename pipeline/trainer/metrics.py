@@ -1,0 +1,103 @@
+"""The trainer's per-step metrics (metrics/train.jsonl and TensorBoard under metrics/tb/).
+
+Token diagnostics arrive as sums over tokens from every micro-batch (and every rank, all-reduced);
+they become means here, so a metric never depends on how samples were packed or sharded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.metrics import JsonlSink, MetricsSink, MultiSink, NullSink, TensorBoardSink
+from pipeline.paths import RunPaths
+from pipeline.trainer.backend import MinibatchStats
+from pipeline.trainer.data import StepData
+
+# Dense bf16 tensor-core peak per GPU (FLOP/s), from the vendors' datasheets (SXM parts).
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+
+def open_sinks(paths: RunPaths, rank: int) -> MetricsSink:
+    """JSONL + TensorBoard on rank 0; a null sink elsewhere (one writer per file)."""
+    if rank != 0:
+        return NullSink()
+    return MultiSink(JsonlSink(paths.train_metrics), TensorBoardSink(paths.tensorboard, "train"))
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak bf16 FLOP/s of one device, or None when unknown (CPU: MFU is not reported)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+@dataclass
+class Timings:
+    wait_s: float = 0.0
+    compute_s: float = 0.0
+    """Proximal/reference log-probs plus the updates."""
+    checkpoint_s: float = 0.0
+    publish_s: float = 0.0
+
+
+def step_metrics(
+    data: StepData,
+    advantages: np.ndarray,
+    updates: list[MinibatchStats],
+    timings: Timings,
+    *,
+    num_params: int,
+    world_size: int,
+    peak: float | None,
+    version: int,
+) -> dict[str, Any]:
+    """One flat dict of everything a person watches for one step."""
+    rewards = np.array([s.reward for s in data.samples])
+    sums: dict[str, float] = {}
+    maxima: dict[str, float] = {}
+    for u in updates:
+        for k, v in u.sums.items():
+            sums[k] = sums.get(k, 0.0) + v
+        for k, v in u.maxima.items():
+            maxima[k] = max(maxima.get(k, float("-inf")), v)
+    trained = max(sums.pop("tokens", 0.0), 1.0)
+    tokens = sum(u.tokens for u in updates)
+    out: dict[str, Any] = {
+        "version": version,
+        "samples": len(data.samples),
+        "stale_dropped": data.stale_dropped,
+        "untrainable_dropped": data.untrainable_dropped,
+        "staleness_mean": float(np.mean(data.staleness)) if data.staleness else 0.0,
+        "staleness_max": int(max(data.staleness, default=0)),
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "adv_mean": float(advantages.mean()),
+        "adv_std": float(advantages.std()),
+        "adv_min": float(advantages.min()),
+        "adv_max": float(advantages.max()),
+        "adv_zero_frac": float(np.mean(np.abs(advantages) < 1e-8)),
+        "loss": float(np.mean([u.loss for u in updates])),
+        "grad_norm": float(np.mean([u.grad_norm for u in updates])),
+        "grad_norm_max": float(max(u.grad_norm for u in updates)),
+        "lr": updates[-1].lr,
+        "updates": len(updates),
+        "tokens": tokens,
+        "trained_tokens": int(trained),
+        "tokens_per_s": tokens / timings.compute_s if timings.compute_s > 0 else 0.0,
+        "time_wait_s": timings.wait_s,
+        "time_compute_s": timings.compute_s,
+        "time_checkpoint_s": timings.checkpoint_s,
+        "time_publish_s": timings.publish_s,
+        "world_size": world_size,
+    }
+    out.update({k: v / trained for k, v in sums.items()})
+    out.update(maxima)
+    if peak is not None and timings.compute_s > 0:
+        # Forward + backward of the updates; the proximal/reference forwards are not counted.
+        out["mfu"] = 6.0 * num_params * tokens / timings.compute_s / (peak * world_size)
+    return out

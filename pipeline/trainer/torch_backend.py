@@ -1,0 +1,162 @@
+"""The `torch` trainer backend: a Hugging Face causal LM, AdamW, one process or FSDP2 across many.
+
+Precision: master weights in fp32 on GPU with bf16 autocast (`trainer.bf16`); on CPU the weights stay
+in `model.dtype` (fp32 by default) with no autocast. Log-probs and the loss are always fp32.
+
+Attention: packed rows rely on position ids that restart per sample (see packing.py). `sdpa` is the
+default (correct on CPU and GPU: transformers builds a block-diagonal causal mask from the position
+ids); on GPU with the `flash_attn` package installed, `flash_attention_2` is used instead, whose
+varlen kernel reads the same position ids and skips the masked blocks entirely.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.trainer import fsdp
+from pipeline.trainer.backend import LossFn, MinibatchStats
+from pipeline.trainer.losses import entropy_from_logits, gather_logprobs
+from pipeline.trainer.packing import MicroBatch
+from pipeline.trainer.schedule import make_scheduler
+from schemas.config import ArlConfig
+
+log = logging.getLogger("arl.trainer")
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+
+
+def attn_implementation(device: torch.device) -> str:
+    if device.type == "cuda":
+        with contextlib.suppress(ImportError):
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+    return "sdpa"
+
+
+class TorchBackend:
+    """See `pipeline.trainer.backend.TrainBackend` for the contract of each method."""
+
+    def __init__(self, config: ArlConfig, total_updates: int) -> None:
+        self.config = config
+        self.total_updates = total_updates
+        self.dist = fsdp.init_distributed(config.trainer.device)
+        self.rank, self.world_size, self.device = self.dist.rank, self.dist.world_size, self.dist.device
+        self.autocast = self.device.type == "cuda" and config.trainer.bf16
+        self.save_dtype = getattr(torch, config.model.dtype)
+        self.model: Any = None
+        self.reference: Any = None
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+        self.num_params = 0
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def load(self, weights: Path, state: Path | None) -> None:
+        self.model = self._load_model(weights, trainable=True)
+        self.num_params = sum(p.numel() for p in self.model.parameters())
+        opt = self.config.trainer.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
+            fused=self.device.type == "cuda",
+        )  # fmt: skip
+        self.scheduler = make_scheduler(self.optimizer, opt, self.total_updates)
+        if state is not None:
+            self._load_state(state)
+        if self.config.trainer.algorithm.kl_coef > 0:
+            # The frozen reference is the run's initial model (version 0), whatever version we resume from.
+            self.reference = self._load_model(Path(self.config.model.path), trainable=False)
+
+    def _load_model(self, path: Path, trainable: bool) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        dtype = torch.float32 if self.device.type == "cuda" else self.save_dtype
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype, attn_implementation=attn_implementation(self.device)
+        )
+        model.to(self.device)  # type: ignore[arg-type]
+        model.config.use_cache = False
+        if trainable:
+            model.train()
+            if self.config.trainer.gradient_checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.eval()
+            model.requires_grad_(False)
+        if self.world_size > 1:
+            fsdp.shard_model(model)
+        return model
+
+    def _load_state(self, state: Path) -> None:
+        optim_state = (
+            torch.load(state / OPTIMIZER_FILE, map_location="cpu", weights_only=False) if self.rank == 0 else {}
+        )
+        fsdp.load_optimizer_state(self.model, self.optimizer, optim_state, self.world_size)
+        self.scheduler.load_state_dict(torch.load(state / SCHEDULER_FILE, map_location="cpu", weights_only=False))
+
+    # -- compute --------------------------------------------------------------------------------
+    def _logits(self, model: Any, micro: MicroBatch) -> torch.Tensor:
+        ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+        with ctx:
+            out = model(input_ids=micro.input_ids, position_ids=micro.position_ids, use_cache=False)
+        return out.logits[0]
+
+    @torch.no_grad()
+    def logprobs(self, micro: MicroBatch, *, reference: bool = False) -> torch.Tensor:
+        model = self.reference if reference else self.model
+        if model is None:
+            raise RuntimeError("reference log-probs requested but no reference model is loaded (kl_coef == 0)")
+        micro = micro.to(self.device)
+        return gather_logprobs(self._logits(model, micro), micro.targets).float().cpu()
+
+    def train_minibatch(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> MinibatchStats:
+        algo = self.config.trainer.algorithm
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = defaultdict(float)
+        maxima: dict[str, float] = defaultdict(lambda: float("-inf"))
+        total_loss, tokens = 0.0, 0
+        for micro in micro_batches:
+            micro = micro.to(self.device)
+            logits = self._logits(self.model, micro)
+            logp = gather_logprobs(logits, micro.targets)
+            if algo.entropy_coef != 0:
+                entropy = entropy_from_logits(logits)
+            else:
+                with torch.no_grad():
+                    entropy = entropy_from_logits(logits)
+            out = loss_fn(logp, entropy, micro.tokens)
+            # FSDP averages gradients over ranks; the weights are already global, so undo the average.
+            (out.loss * self.world_size).backward()
+            total_loss += float(out.loss.detach())
+            tokens += micro.num_tokens
+            for k, v in out.sums.items():
+                sums[k] += float(v)
+            for k, v in out.maxima.items():
+                maxima[k] = max(maxima[k], float(v))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.trainer.optimizer.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.optimizer.step()
+        self.scheduler.step()
+        return MinibatchStats(total_loss, float(grad_norm), lr, tokens, dict(sums), dict(maxima))
+
+    # -- export ---------------------------------------------------------------------------------
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        state = fsdp.full_state_dict(self.model, self.world_size)
+        return {k: v.to(self.save_dtype) for k, v in state.items()}
+
+    def save_state(self, out_dir: Path) -> None:
+        optim_state = fsdp.optimizer_state(self.model, self.optimizer, self.world_size)
+        if self.rank == 0:
+            torch.save(optim_state, out_dir / OPTIMIZER_FILE)
+            torch.save(self.scheduler.state_dict(), out_dir / SCHEDULER_FILE)
+
+    def close(self) -> None:
+        self.model = self.reference = self.optimizer = self.scheduler = None
+        fsdp.destroy()
