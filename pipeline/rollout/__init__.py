@@ -1,0 +1,7 @@
+"""The rollout: drive an agent over a dataset through the capture proxy, one versioned step at a time.
+
+Modules: `agents` (resolving and calling user agents), `data` (datasets and the deterministic step
+schedule), `runner` (one run, inline or in a subprocess), `proxy_api` (the proxy's HTTP API as the
+rollout uses it), `staleness` (weight-version gate and per-token checks), `metrics` (per-step
+statistics), `loop` (the per-step loop), `external` (steps from outside agents), `router`.
+"""

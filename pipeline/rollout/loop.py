@@ -1,0 +1,246 @@
+"""The rollout stage's loop: one complete, versioned step of trajectories at a time.
+
+Per step k (`produce_step`): wait for weights of version >= k - max_staleness → run the step's
+prompts × group_size through the agent (each run is one proxy session: admitted through the
+capacity gate, rewarded, ended, exported) → filter (rejected runs, stale samples, constant groups)
+→ check the error rate → publish shards + manifest → record the cursor → log metrics.
+
+Resume: the first step in [0, num_steps) without a manifest is redone whole (a step killed midway
+left at most a staging dir, which `write_step` removes). `--step N` redoes exactly step N. The
+prompts of a step depend only on k (see `pipeline.rollout.data`), so both are exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.errors import ArlError
+from pipeline.metrics import MetricsSink
+from pipeline.paths import RunPaths
+from pipeline.rollout.agents import Agent, resolve_agent
+from pipeline.rollout.data import Prompt, Schedule, check_cursor, load_rows, write_cursor
+from pipeline.rollout.metrics import StepTally, drop_constant_groups
+from pipeline.rollout.progress import StepProgress
+from pipeline.rollout.proxy_api import NoCapacity, ProxyAPI, ProxyAPIError, SessionAPI
+from pipeline.rollout.runner import Executor, InlineExecutor, RunContext, RunReport, SubprocExecutor
+from pipeline.rollout.staleness import required_version, split_stale, wait_for_version
+from schemas.config import ArlConfig
+
+log = logging.getLogger("arl.rollout")
+
+
+class AgentErrorRate(ArlError):
+    """More of a step's runs failed than `rollout.max_error_rate` allows."""
+
+
+@dataclass
+class Rollout:
+    """Everything one step needs; built once by `run_rollout`."""
+
+    config: ArlConfig
+    paths: RunPaths
+    schedule: Schedule
+    executor: Executor
+    admin: ProxyAPI
+    proxy_url: str
+    engine: Any
+    sink: MetricsSink
+    tokenizer: str
+
+
+async def run_rollout(config: ArlConfig, paths: RunPaths, *, only_step: int | None = None) -> list[int]:
+    """Produce the missing steps (or exactly `only_step`); return the steps published."""
+    from pipeline.rollout.services import open_services
+
+    schedule = build_schedule(config)
+    check_cursor(paths.rollout_state, schedule)
+    if only_step is not None and not 0 <= only_step < config.num_steps:
+        raise ArlError(f"--step {only_step} is outside this run's steps 0..{config.num_steps - 1} (num_steps)")
+    steps = [only_step] if only_step is not None else missing_steps(paths, config.num_steps)
+    if not steps:
+        log.info("all %d steps already have a manifest: nothing to do", config.num_steps)
+        return []
+    agent = resolve_agent(config.rollout.agent, config.rollout.agent_kwargs, mode=config.rollout.mode)
+    sink = open_sink(paths)
+    async with open_services(config, paths, name="rollout") as services:
+        executor = make_executor(agent, config, services.http)
+        rollout = Rollout(config, paths, schedule, executor, services.admin, services.proxy_url,
+                          services.engine, sink, config.model.tokenizer or config.model.path)  # fmt: skip
+        try:
+            for step in steps:
+                await produce_step(rollout, step)
+        finally:
+            await executor.close()
+            sink.close()
+    return steps
+
+
+def build_schedule(config: ArlConfig) -> Schedule:
+    dataset = config.rollout.dataset
+    return Schedule(load_rows(dataset), config.rollout.batch_size, shuffle=dataset.shuffle, seed=dataset.seed)
+
+
+def missing_steps(paths: RunPaths, num_steps: int) -> list[int]:
+    """Steps from the first one without a manifest to the end (later manifests are redone too:
+    they can only exist if someone redid a step by hand, and the schedule reproduces them exactly)."""
+    done = set(paths.complete_steps())
+    first = next((k for k in range(num_steps) if k not in done), num_steps)
+    return [k for k in range(first, num_steps) if k not in done]
+
+
+def make_executor(agent: Agent, config: ArlConfig, http: Any) -> Executor:
+    if config.rollout.mode == "subproc":
+        return SubprocExecutor(agent, config.rollout.subproc_workers)
+    return InlineExecutor(agent, http)
+
+
+def open_sink(paths: RunPaths) -> MetricsSink:
+    from pipeline.metrics import JsonlSink, MultiSink, TensorBoardSink
+
+    try:
+        return MultiSink(JsonlSink(paths.rollout_metrics), TensorBoardSink(paths.tensorboard / "rollout", "rollout"))
+    except ImportError as exc:  # tensorboard is optional at run time; the JSONL line is the record
+        log.warning("TensorBoard unavailable (%s); metrics go to %s only", exc, paths.rollout_metrics)
+        return JsonlSink(paths.rollout_metrics)
+
+
+async def produce_step(ro: Rollout, step: int) -> None:
+    """One step, start to published (the table of contents of the rollout)."""
+    cfg = ro.config.rollout
+    version = await wait_for_version(ro.paths, required_version(step, cfg.max_staleness),
+                                     timeout_s=cfg.wait_timeout_s, engine_version=ro.engine.weight_version)  # fmt: skip
+    tally = StepTally(step, weight_version=version)
+    rows = await run_step_sessions(ro, step, ro.schedule.prompts(step), tally)
+    rows = filter_rows(rows, step, ro.config, tally)
+    check_error_rate(tally, cfg.max_error_rate, step)
+    stats = tally.summary(rows)
+    publish_step(ro, step, rows, stats)
+    ro.sink.log(step, stats)
+    log.info("step %d published: %d samples, reward mean %s, %d errors, %d rejected, %d stale dropped",
+             step, stats["samples"], _fmt(stats["reward_mean"]), tally.agent_errors, tally.rejected,
+             tally.dropped_stale)  # fmt: skip
+
+
+async def run_step_sessions(ro: Rollout, step: int, prompts: list[Prompt], tally: StepTally) -> list[dict[str, Any]]:
+    """batch_size × group_size runs, at most `max_concurrency` at once; the exported rows of them all."""
+    cfg = ro.config.rollout
+    limit = asyncio.Semaphore(cfg.max_concurrency)
+    progress = StepProgress(step, len(prompts) * cfg.group_size)
+
+    async def one(prompt: Prompt, run_index: int) -> list[dict[str, Any]]:
+        async with limit:
+            rows = await run_session(ro, step, prompt, run_index, tally)
+        progress.advance(tally)
+        return rows
+
+    try:
+        # A TaskGroup (unlike gather) cancels the other runs when one fails the whole step.
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(p, r)) for p in prompts for r in range(cfg.group_size)]
+    finally:
+        progress.close()
+    return [row for task in tasks for row in task.result()]
+
+
+async def run_session(ro: Rollout, step: int, prompt: Prompt, run_index: int, tally: StepTally) -> list[dict[str, Any]]:
+    """One agent run in its own proxy session; its samples (none if rejected or failed)."""
+    cfg = ro.config.rollout
+    group_id = f"step{step:06d}-p{prompt.position}"
+    metadata = {"step": step, "dataset_index": prompt.index, "epoch": prompt.epoch,
+                "position": prompt.position, "run_index": run_index}  # fmt: skip
+    session = await admit_session(ro.admin, group_id, metadata, cfg.run_timeout_s)
+    report = await ro.executor.run(prompt.data, RunContext(ro.proxy_url, session, cfg.temperature), cfg.run_timeout_s)
+    session_api = SessionAPI(ro.proxy_url, session, ro.admin.http)
+    report = await apply_rewards(session_api, report)
+    await end_quietly(session_api)
+    exported = await ro.admin.export(session.session_id, style=cfg.export_style, discount=cfg.discount)
+    samples = [{**row, "step": step} for row in exported["samples"]]
+    if report.outcome is None:
+        log.warning("agent run failed (session %s, dataset row %d):\n%s", session.session_id, prompt.index,
+                    report.error)  # fmt: skip
+        tally.add_error(report.error or "unknown error", timed_out=report.timed_out)
+        return []
+    rejected = report.outcome.rejected
+    tally.add_finished(rejected=rejected, num_interactions=int(exported.get("num_interactions", 0)),
+                       prefix_breaks=int(exported.get("prefix_breaks", 0)), samples=len(samples))  # fmt: skip
+    return [] if rejected else samples
+
+
+async def admit_session(admin: ProxyAPI, group_id: str, metadata: dict[str, Any], patience_s: float) -> Any:
+    """Grant one unit of capacity and start the session; retry briefly while the proxy is full (429)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + patience_s
+    delay = 0.05
+    await admin.grant_capacity()
+    while True:
+        try:
+            return await admin.start_session(group_id, metadata)
+        except NoCapacity as exc:
+            if loop.time() > deadline:
+                raise ArlError(f"the proxy refused new sessions for {patience_s:g}s ({exc}); raise proxy.max_sessions "
+                               "above rollout.max_concurrency") from exc  # fmt: skip
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+async def apply_rewards(session: SessionAPI, report: RunReport) -> RunReport:
+    """Send the agent's returned rewards to the proxy; a reward the proxy refuses fails the run."""
+    outcome = report.outcome
+    if outcome is None or outcome.rejected:
+        return report
+    try:
+        if outcome.reward is not None:
+            await session.set_reward(outcome.reward)
+        for interaction_id, reward in outcome.rewards.items():
+            await session.set_reward(reward, interaction_id)
+    except ProxyAPIError as exc:
+        if exc.status is None or exc.status >= 500:
+            raise
+        if outcome.reward is not None and not outcome.rewards:
+            return report  # a float for a run without LLM calls: counted as an empty run after export
+        return RunReport(None, f"the proxy refused the agent's rewards: {exc}", False, report.duration_s)
+    return report
+
+
+async def end_quietly(session: SessionAPI) -> None:
+    """End the session; an agent may already have ended it itself (the proxy then answers 4xx)."""
+    try:
+        await session.end()
+    except ProxyAPIError as exc:
+        if exc.status is None or exc.status >= 500:
+            raise
+        log.debug("end_session for %s answered %s", session.session.session_id, exc.status)
+
+
+def filter_rows(rows: list[dict[str, Any]], step: int, config: ArlConfig, tally: StepTally) -> list[dict[str, Any]]:
+    """Drop samples older than the staleness bound and (if configured) groups with constant rewards."""
+    rows, tally.dropped_stale = split_stale(rows, step, config.rollout.max_staleness)
+    if tally.dropped_stale:
+        log.warning("step %d: dropped %d samples with tokens older than version %d", step, tally.dropped_stale,
+                    required_version(step, config.rollout.max_staleness))  # fmt: skip
+    if config.rollout.drop_constant_groups:
+        rows, tally.dropped_constant_groups, tally.dropped_constant_samples = drop_constant_groups(rows)
+    return rows
+
+
+def check_error_rate(tally: StepTally, max_rate: float, step: int) -> None:
+    if tally.error_rate > max_rate:
+        raise AgentErrorRate(
+            f"step {step}: {tally.agent_errors} of {tally.runs} agent runs failed (error rate {tally.error_rate:.2f} > "
+            f"rollout.max_error_rate={max_rate}); the last one:\n{tally.last_traceback}"
+        )
+
+
+def publish_step(ro: Rollout, step: int, rows: list[dict[str, Any]], stats: dict[str, Any]) -> None:
+    from pipeline.shards import write_step
+
+    rows.sort(key=lambda r: (r["group_id"], r["session_id"], r["sample_id"]))  # stable file order
+    write_step(ro.paths, step, rows, producer="rollout", tokenizer=ro.tokenizer, extra=stats)
+    write_cursor(ro.paths.rollout_state, ro.schedule, step, ro.config.rollout.dataset.path)
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"

@@ -1,0 +1,126 @@
+"""What a rollout or standalone-proxy job runs beside its loop: the engine client and the proxy.
+
+`open_services` waits (with a deadline) for the inference servers to register, starts the proxy
+in this process, publishes `registry/proxy/<name>.json` (URL, host, pid, never a key) and yields
+an admin `ProxyAPI` that talks to the proxy over HTTP. The admin key comes from `proxy.admin_key`
+or is generated and kept in `state/proxy_admin_key` (mode 600) so operators can use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pipeline.handoff import fsync_dir, wait_for, write_json_atomic
+from pipeline.paths import RunPaths
+from pipeline.rollout.proxy_api import ProxyAPI
+from schemas.config import ArlConfig
+
+log = logging.getLogger("arl.rollout")
+
+
+@dataclass
+class Services:
+    engine: Any
+    """`pipeline.engine.client.EngineClient` over the registered servers."""
+    proxy_url: str
+    admin: ProxyAPI
+    http: httpx.AsyncClient
+    """Shared by the rollout's own calls and inline agents (connection reuse)."""
+    proxy: Any
+    """`pipeline.proxy.server.ProxyServer` (for callers that extend its app before it starts, see `open_services`)."""
+
+
+def admin_key_for(config: ArlConfig, paths: RunPaths) -> str:
+    """`proxy.admin_key`, else the key kept in the run dir, else a new one (saved with mode 600)."""
+    if config.proxy.admin_key:
+        return config.proxy.admin_key
+    path = paths.proxy_admin_key
+    if path.exists():
+        return path.read_text().strip()
+    key = "arl-admin-" + secrets.token_urlsafe(24)
+    _write_secret(path, key)
+    return key
+
+
+def _write_secret(path: Path, text: str) -> None:
+    """Atomic like `write_text_atomic`, but never world-readable, not even for a moment."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+async def wait_for_servers(paths: RunPaths, timeout_s: float) -> list[str]:
+    """The registered inference URLs, waiting for the first one (the error names the inference stage)."""
+    from pipeline.engine.registry import urls_from_registry
+
+    urls = urls_from_registry(paths)
+    found = await asyncio.to_thread(
+        wait_for, lambda: urls() or None, what=f"an inference server entry in {paths.inference_registry}",
+        upstream="inference", log=paths.latest_log("inference"), timeout_s=timeout_s,
+    )  # fmt: skip
+    return list(found) if isinstance(found, list) else urls()
+
+
+def registry_entry(url: str) -> dict[str, Any]:
+    return {"url": url, "host": socket.gethostname(), "pid": os.getpid(),
+            "started_at": datetime.now(UTC).isoformat(timespec="seconds")}  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def open_services(config: ArlConfig, paths: RunPaths, *, name: str, proxy_config: Any = None,
+                        app_hook: Any = None) -> AsyncIterator[Services]:  # fmt: skip
+    """Engine client + in-process proxy + its registry entry; all closed/removed on exit.
+
+    `app_hook(app)` may wrap the proxy's FastAPI app before it starts serving (the standalone proxy
+    adds a session observer there).
+    """
+    from pipeline.engine.client import EngineClient
+    from pipeline.engine.registry import urls_from_registry
+    from pipeline.proxy.server import ProxyServer
+
+    await wait_for_servers(paths, config.inference.startup_timeout_s)
+    engine = EngineClient(urls_from_registry(paths), request_timeout_s=config.inference.request_timeout_s)
+    await engine.start()
+    key = admin_key_for(config, paths)
+    proxy = ProxyServer(config.model, proxy_config or config.proxy, engine, admin_key=key)
+    if app_hook is not None:
+        app_hook(proxy.app)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    http = httpx.AsyncClient(timeout=httpx.Timeout(config.rollout.run_timeout_s + 60), limits=limits)
+    entry = paths.proxy_entry(name)
+    try:
+        url = await proxy.start()
+        write_json_atomic(entry, registry_entry(url))
+        log.info("proxy %s serving at %s (registry entry %s)", name, url, entry)
+        started = time.monotonic()
+        admin = ProxyAPI(url, key, http)
+        while not await admin.health():
+            if time.monotonic() - started > 30:
+                raise RuntimeError(f"the in-process proxy at {url} did not answer /health within 30 s")
+            await asyncio.sleep(0.1)
+        yield Services(engine=engine, proxy_url=url, admin=admin, http=http, proxy=proxy)
+    finally:
+        entry.unlink(missing_ok=True)
+        await http.aclose()
+        await proxy.stop()
+        await engine.close()

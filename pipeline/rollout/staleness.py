@@ -1,0 +1,97 @@
+"""Staleness control (SPEC §2): rollout of step k may use weights of version >= k - max_staleness.
+
+Enforced twice. Before a step's sessions are admitted, the rollout waits until both the trainer's
+published version (`state/weight_version.json`; version 0 needs no file) and every engine server's
+reported version reach the bound. After the runs, each sample's per-token `versions` are checked:
+a sample whose oldest sampled token is older than the bound (a server that had not reloaded, or a
+session that straddled an update) is dropped and counted, never trained on silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import SchemaError, WaitTimeout
+from pipeline.handoff import read_json
+from pipeline.paths import RunPaths
+
+log = logging.getLogger("arl.rollout")
+
+
+def required_version(step: int, max_staleness: int) -> int:
+    return max(step - max_staleness, 0)
+
+
+def published_version(path: Path) -> int:
+    """The trainer's published weight version; 0 when no file exists yet (the initial model)."""
+    if not path.exists():
+        return 0
+    try:
+        data = read_json(path)
+        return int(data["version"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        # A torn file cannot happen (the trainer writes atomically); a malformed one is a bug upstream.
+        raise SchemaError(f"{path} is not a weight-version record {{'version': int, ...}}: {exc}") from exc
+
+
+async def wait_for_version(
+    paths: RunPaths,
+    needed: int,
+    *,
+    timeout_s: float,
+    engine_version: Callable[[], Awaitable[int]] | None = None,
+    poll_s: float = 0.5,
+    what: str = "rollout",
+) -> int:
+    """Wait until the published version (and the engines' reported one) is >= `needed`; return it.
+
+    On timeout raise `WaitTimeout` naming state/weight_version.json, the trainer stage and its log.
+    """
+    deadline = time.monotonic() + timeout_s
+    last_note = 0.0
+    file_version = engine = -1
+    while True:
+        file_version = published_version(paths.weight_version)
+        if file_version >= needed:
+            engine = await engine_version() if engine_version is not None else file_version
+            if engine >= needed:
+                return min(file_version, engine)
+        now = time.monotonic()
+        if now >= deadline:
+            break
+        if now - last_note > 30:
+            log.info("%s waits for weight version >= %d (published: %d)", what, needed, file_version)
+            last_note = now
+        await asyncio.sleep(min(poll_s, max(deadline - now, 0.0)))
+    engines = f"; the engine servers report version {engine}" if engine >= 0 else ""
+    raise WaitTimeout(
+        f"timed out after {timeout_s:.0f}s waiting for weight version >= {needed} in {paths.weight_version} "
+        f"(published: {file_version}{engines}), produced by the train stage; see its log: "
+        f"{paths.latest_log('train')}. Is the trainer running? Raise rollout.wait_timeout_s or "
+        "rollout.max_staleness if it is just slow"
+    )
+
+
+def oldest_version(row: dict[str, Any]) -> int:
+    """The oldest weight version among a sample's sampled tokens."""
+    sampled = [v for v, m in zip(row["versions"], row["loss_mask"], strict=True) if m]
+    return min(sampled) if sampled else -1
+
+
+def split_stale(rows: list[dict[str, Any]], step: int, max_staleness: int) -> tuple[list[dict[str, Any]], int]:
+    """(rows within the bound, number dropped for an older token)."""
+    bound = required_version(step, max_staleness)
+    kept = [r for r in rows if oldest_version(r) >= bound]
+    return kept, len(rows) - len(kept)
+
+
+def staleness_histogram(rows: list[dict[str, Any]], step: int) -> dict[str, int]:
+    """Samples by staleness = step - oldest sampled version (string keys: it goes to JSON)."""
+    counts = Counter(step - oldest_version(r) for r in rows)
+    return {str(k): counts[k] for k in sorted(counts)}
