@@ -1,0 +1,122 @@
+"""`arl launch`: create (or resume) the run dir, then start every stage as a Slurm job or a local process.
+
+The stages coordinate only through the run dir, so they are submitted independently and in any
+order; each gets the next attempt number of its own, and `jobs.json` records every attempt with
+its log. On Slurm the launcher returns once the jobs are queued (watch them with `arl status`);
+locally it supervises the processes until the trainer is done.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from rich.console import Console
+
+from pipeline.errors import ArlError
+from pipeline.handoff import read_json, write_text_atomic
+from pipeline.launch.jobs import JobRecord, add_record, next_attempt
+from pipeline.launch.plan import StagePlan, plan_run, sbatch_script_path
+from pipeline.launch.rundir import prepare_run_dir, refuse_if_running
+from pipeline.launch.sbatch import render_sbatch
+from pipeline.paths import RunPaths
+from schemas.config import ArlConfig
+
+EXECUTORS = ("slurm", "local")
+
+
+def launch(
+    config_path: str | Path,
+    overrides: list[str],
+    *,
+    executor: str = "slurm",
+    dry_run: bool = False,
+    resume: bool = False,
+    clean: bool = False,
+) -> int:
+    """Start a run (SPEC §8). Returns the exit status: 0 submitted / finished, 1 a stage failed, 130 interrupted."""
+    if executor not in EXECUTORS:
+        raise ArlError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    console = Console()
+    if resume and not dry_run:
+        _refuse_live_run(config_path, overrides)
+    config, paths = prepare_run_dir(Path(config_path), overrides, resume=resume, clean=clean)
+    workdir = Path(os.getcwd())  # relative paths in the config (model, data) mean the same to every job
+    plans = plan_run(config, paths.root)
+    attempts = {plan.stage: next_attempt(paths, plan.stage) for plan in plans}
+    console.print(f"run dir: {paths.root}  (config frozen in {paths.config})")
+    if dry_run:
+        return write_dry_run(plans, config, paths, attempts, workdir=workdir, console=console)
+    if resume and (done := finished_version(paths)) >= config.num_steps:
+        console.print(f"the run is already complete (weight version {done} >= num_steps={config.num_steps}); "
+                      "pass num_steps=<more> with --resume to train further")  # fmt: skip
+        return 0
+    if executor == "local":
+        from pipeline.launch.local import run_local
+
+        console.print(f"starting {len(plans)} local stages (Ctrl-C stops them all):")
+        return run_local(plans, paths, attempts, workdir=workdir, console=console)
+    submit_all(plans, config, paths, attempts, workdir=workdir, console=console)
+    return 0
+
+
+def submit_all(plans: list[StagePlan], config: ArlConfig, paths: RunPaths, attempts: dict[str, int], *,
+               workdir: Path, console: Console) -> list[JobRecord]:  # fmt: skip
+    """Submit every stage job, recording each in `jobs.json` as soon as Slurm accepted it."""
+    from pipeline.launch.slurm import submit_stage
+
+    records: list[JobRecord] = []
+    for plan in plans:
+        try:
+            record = submit_stage(plan, config, paths, attempt=attempts[plan.stage], workdir=workdir)
+        except ArlError as exc:
+            if records:
+                done = ", ".join(f"{r.stage} (job {r.job_id})" for r in records)
+                raise ArlError(f"{exc}. Already submitted: {done}; cancel them with `arl stop {paths.root}`") from None
+            raise
+        add_record(paths, record)
+        records.append(record)
+    console.print(f"submitted {len(records)} Slurm jobs:")
+    for r in records:
+        console.print(f"  {r.stage:<9} job {r.job_id:<8} attempt {r.attempt}   tail -F {r.log}")
+    console.print(f"watch: arl status {paths.root}    stop: arl stop {paths.root}")
+    return records
+
+
+def write_dry_run(plans: list[StagePlan], config: ArlConfig, paths: RunPaths, attempts: dict[str, int], *,
+                  workdir: Path, console: Console) -> int:  # fmt: skip
+    """Write one sbatch script per stage, print each, and say how to submit them by hand."""
+    scripts = []
+    for plan in plans:
+        path = sbatch_script_path(paths, plan.stage)
+        write_text_atomic(path, render_sbatch(plan, config, paths, attempt=attempts[plan.stage], workdir=workdir))
+        path.chmod(0o755)
+        scripts.append(path)
+        console.rule(str(path))
+        console.print(path.read_text(), markup=False, highlight=False, soft_wrap=True)
+    console.rule()
+    console.print("dry run: nothing submitted. Submit the stages in any order with plain sbatch:")
+    for path in scripts:
+        console.print(f"  sbatch {path}")
+    return 0
+
+
+def finished_version(paths: RunPaths) -> int:
+    """The newest weight version the trainer completed (checkpoint marker or published version)."""
+    published = 0
+    if paths.weight_version.exists():
+        try:
+            published = int(read_json(paths.weight_version).get("version", 0))
+        except (ValueError, TypeError, AttributeError):
+            published = 0
+    return max([published, *paths.complete_checkpoints()])
+
+
+def _refuse_live_run(config_path: str | Path, overrides: list[str]) -> None:
+    """Before touching the run dir: a resume while the old jobs still run would duplicate steps."""
+    from pipeline.config import load_config
+
+    config = load_config(config_path, overrides)
+    root = RunPaths.from_config(config.fileroot, config.experiment_name, config.trial_name).root
+    if root.exists():
+        refuse_if_running(RunPaths(root.resolve()), "--resume")

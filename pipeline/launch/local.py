@@ -1,0 +1,172 @@
+"""`--executor local`: the same stage commands as local processes, supervised until the trainer ends.
+
+Each stage runs in its own session (process group), so the terminal's Ctrl-C reaches only the
+launcher, which then stops every stage the same way `arl stop` does: SIGTERM to the group, SIGKILL
+after a grace period. The run ends when the trainer exits 0 (its `num_steps` are done: the other
+stages are stopped, exit 0) or when any stage fails (the others are stopped, exit 1, naming the
+stage and its log).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from rich.console import Console
+
+from pipeline.launch.jobs import JobRecord, add_record, update_record
+from pipeline.launch.plan import StagePlan
+from pipeline.paths import RunPaths
+
+GRACE_S = 10.0
+"""Seconds a stage gets to exit after SIGTERM before SIGKILL."""
+
+
+class StopRequested(Exception):
+    """SIGTERM reached the launcher: stop the stages as for Ctrl-C."""
+
+
+@dataclass
+class Running:
+    plan: StagePlan
+    record: JobRecord
+    proc: subprocess.Popen[bytes]
+    log_handle: IO[bytes]
+
+
+def run_local(plans: list[StagePlan], paths: RunPaths, attempts: dict[str, int], *, workdir: Path,
+              grace_s: float = GRACE_S, console: Console | None = None) -> int:  # fmt: skip
+    """Start every stage, supervise them, stop them all on the way out; the run's exit status."""
+    console = console or Console()
+    running: list[Running] = []
+    with _sigterm_raises():
+        try:
+            for plan in plans:
+                running.append(start_stage(plan, paths, attempts[plan.stage], workdir=workdir))
+            for r in running:
+                console.print(f"  {r.plan.stage:<9} pid {r.proc.pid:<8} tail -F {r.record.log}")
+            return supervise(running, paths, console)
+        except (KeyboardInterrupt, StopRequested):
+            console.print("[yellow]interrupted: stopping every stage[/yellow]")
+            return 130
+        finally:
+            stop_stages(running, paths, grace_s=grace_s)
+
+
+def start_stage(plan: StagePlan, paths: RunPaths, attempt: int, *, workdir: Path) -> Running:
+    log = paths.stage_log(plan.stage, attempt)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(log, "ab")  # noqa: SIM115 - closed when the process ends (stop_stages / _reap)
+    handle.write(f"arl: stage {plan.stage} attempt {attempt} on {socket.gethostname()} at "
+                 f"{time.strftime('%Y-%m-%dT%H:%M:%S')}: {shlex.join(plan.argv)}\n".encode())  # fmt: skip
+    handle.flush()
+    env = {**os.environ, "ARL_RUN_DIR": str(paths.root), "ARL_STAGE": plan.stage, "ARL_ATTEMPT": str(attempt),
+           "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    proc = subprocess.Popen(plan.argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            cwd=workdir, env=env, start_new_session=True)  # fmt: skip
+    record = JobRecord(stage=plan.stage, attempt=attempt, executor="local", log=str(log), host=socket.gethostname(),
+                       command=shlex.join(plan.argv), pid=proc.pid, started_at=_create_time(proc.pid))  # fmt: skip
+    add_record(paths, record)
+    return Running(plan, record, proc, handle)
+
+
+def supervise(running: list[Running], paths: RunPaths, console: Console, *, poll_s: float = 0.5) -> int:
+    """Wait until the trainer finishes (0) or any stage fails (1)."""
+    while True:
+        for r in running:
+            code = r.proc.poll()
+            if code is None or r.record.exit_code is not None:
+                continue
+            _reap(r, paths, code, stopped=False)
+            if code != 0:
+                console.print(f"[red]stage {r.plan.stage} failed ({describe_exit(code)}); see its log: "
+                              f"{r.record.log}[/red]")  # fmt: skip
+                _print_tail(console, Path(r.record.log))
+                return 1
+            if r.plan.stage == "train":
+                console.print("trainer finished: stopping the other stages")
+                return 0
+            console.print(f"stage {r.plan.stage} finished (exit 0)")
+        if all(r.record.exit_code is not None for r in running):
+            return 0
+        time.sleep(poll_s)
+
+
+def stop_stages(running: list[Running], paths: RunPaths, *, grace_s: float = GRACE_S) -> None:
+    """SIGTERM each live stage's process group, SIGKILL what is left after `grace_s`; record exits."""
+    live = [r for r in running if r.record.exit_code is None]
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not abandon the stop
+    try:
+        for r in live:
+            _signal_group(r.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for r in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                r.proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        for r in live:
+            if r.proc.poll() is None:
+                _signal_group(r.proc.pid, signal.SIGKILL)
+            _reap(r, paths, r.proc.wait(), stopped=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        for r in running:
+            r.log_handle.close()
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def _reap(r: Running, paths: RunPaths, code: int, *, stopped: bool) -> None:
+    r.record.exit_code = code
+    r.record.stopped = stopped
+    r.record.ended_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    update_record(paths, r.record)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    """Signal the stage's process group (its id is the stage's pid: `start_new_session`)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _create_time(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return None
+
+
+def _print_tail(console: Console, log: Path, lines: int = 15) -> None:
+    try:
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return
+    for line in tail:
+        console.print(f"    {line}", markup=False, highlight=False)
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    def handler(signum: int, frame: Any) -> None:
+        raise StopRequested()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
