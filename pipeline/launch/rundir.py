@@ -62,13 +62,12 @@ def prepare_run_dir(
     config = load_config(config_path, overrides)
     paths = RunPaths(Path(os.path.abspath(RunPaths.from_config(config.fileroot, config.experiment_name,
                                                                config.trial_name).root)))  # fmt: skip
-    exists = has_run_data(paths)
     if resume:
-        if not exists:
+        if not paths.root.exists():
             raise ArlError(f"--resume: run dir {paths.root} does not exist, so there is nothing to resume; "
                            "drop --resume to start a new run")  # fmt: skip
         config = resumed_config(paths, config_path, overrides)
-    elif exists:
+    elif has_run_data(paths):
         if not clean:
             raise ArlError(f"run dir {paths.root} already exists: pass --resume to continue that run, or --clean "
                            f"to delete it and start over (or choose another trial_name=...)")  # fmt: skip
