@@ -14,6 +14,8 @@ import httpx
 
 from pipeline.errors import ArlError
 
+RUN_STATUS_HEADER = "x-arl-run-status"
+
 
 class ProxyAPIError(ArlError):
     """The proxy answered with an error status (or could not be reached)."""
@@ -44,9 +46,11 @@ def _auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-async def _post(http: httpx.AsyncClient, url: str, key: str, body: dict[str, Any] | None) -> dict[str, Any]:
+async def _post(http: httpx.AsyncClient, url: str, key: str, body: dict[str, Any] | None,
+                extra_headers: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     try:
-        response = await http.post(url, json=body if body is not None else {}, headers=_auth(key))
+        headers = {**_auth(key), **(extra_headers or {})}
+        response = await http.post(url, json=body if body is not None else {}, headers=headers)
     except httpx.HTTPError as exc:
         raise ProxyAPIError(f"POST {url} failed: {type(exc).__name__}: {exc}. Is the proxy running?") from exc
     if response.status_code >= 400:
@@ -67,9 +71,9 @@ class ProxyAPI:
         self.key = key
         self.http = http
 
-    async def grant_capacity(self) -> None:
-        """Admit one more session through the proxy's capacity gate (admin key)."""
-        await _post(self.http, f"{self.url}/grant_capacity", self.key, {})
+    async def grant_capacity(self, count: int = 1) -> None:
+        """Admit `count` more sessions through the proxy's capacity gate (admin key)."""
+        await _post(self.http, f"{self.url}/grant_capacity", self.key, {"count": count})
 
     async def start_session(self, group_id: str | None = None, metadata: dict[str, Any] | None = None) -> SessionInfo:
         body: dict[str, Any] = {"metadata": metadata or {}}
@@ -111,5 +115,8 @@ class SessionAPI:
             body["interaction_id"] = interaction_id
         await _post(self.http, f"{self.url}/rl/set_reward", self.session.api_key, body)
 
-    async def end(self) -> None:
-        await _post(self.http, f"{self.url}/rl/end_session", self.session.api_key, {})
+    async def end(self, status: str | None = None) -> None:
+        """End the session. `status` ("failed", "rejected") travels as the `x-arl-run-status` header: the
+        standalone proxy stage then drops the session's samples; any other proxy ignores the header."""
+        extra = {RUN_STATUS_HEADER: status} if status is not None else None
+        await _post(self.http, f"{self.url}/rl/end_session", self.session.api_key, {}, extra)

@@ -128,7 +128,7 @@ def test_workflow_interface(agent_file: Path) -> None:
 
 
 def test_sync_run_refused_inline_allowed_subproc(agent_file: Path) -> None:
-    with pytest.raises(AgentError, match="rollout.mode=subproc"):
+    with pytest.raises(AgentError, match=r"rollout\.mode=subproc"):
         resolve_agent(f"{agent_file}:SyncAgent", mode="inline")
     agent = resolve_agent(f"{agent_file}:SyncAgent", mode="subproc")
     assert not agent.is_async
