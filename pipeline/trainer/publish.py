@@ -28,6 +28,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from pipeline.engine.weight_group import broadcast_from_trainer, destroy_weight_group, dtype_name, init_weight_group
 from pipeline.errors import ArlError
 from pipeline.handoff import write_json_atomic
 from pipeline.paths import RunPaths
@@ -165,7 +166,8 @@ class BroadcastPublisher:
         return urls
 
     def _setup(self, urls: list[str]) -> None:
-        """Join as rank 0 while every server joins through `/init_weights_update_group`."""
+        """Join as rank 0 (the engine's own `init_weight_group`, SGLang-compatible) while every server joins
+        through `/init_weights_update_group`."""
         address = "127.0.0.1" if all(_is_loopback(u) for u in urls) else socket.gethostbyname(socket.getfqdn())
         port = _free_port()
         world = self.owner.call(self.owner.client.weights_group_world_size(), "/get_server_info")
@@ -174,7 +176,8 @@ class BroadcastPublisher:
                                                    "world_size": world, "created_at": time.time()})  # fmt: skip
         joined = self.owner.runner.submit(self.owner.client.init_weights_update_group(address, port, GROUP_NAME,
                                                                                       self.backend))  # fmt: skip
-        self.group = init_custom_group(self.backend, address, port, world, 0, GROUP_NAME, self.owner.timeout_s)
+        self.group = init_weight_group(address, port, rank=0, world_size=world, group_name=GROUP_NAME,
+                                       backend=self.backend, timeout_s=self.owner.timeout_s)  # fmt: skip
         joined.result(timeout=self.owner.timeout_s)
         self.members = list(urls)
         log.info(
@@ -183,14 +186,12 @@ class BroadcastPublisher:
 
     def _send(self, bucket: dict[str, torch.Tensor], version: int) -> None:
         names = list(bucket)
-        dtypes = [str(t.dtype).removeprefix("torch.") for t in bucket.values()]
+        dtypes = [dtype_name(t.dtype) for t in bucket.values()]
         shapes = [list(t.shape) for t in bucket.values()]
         confirmed = self.owner.runner.submit(
             self.owner.client.update_weights_from_distributed(names, dtypes, shapes, GROUP_NAME, version)
         )
-        for tensor in bucket.values():
-            # The group is not registered with c10d's world (it must not disturb torchrun's), so call it directly.
-            self.group.broadcast([tensor.to(self.device).contiguous()], _root0()).wait()
+        broadcast_from_trainer(self.group, [t.to(self.device) for t in bucket.values()])
         try:
             confirmed.result(timeout=self.owner.timeout_s)
         except concurrent.futures.TimeoutError:
@@ -198,7 +199,9 @@ class BroadcastPublisher:
                            f"{self.owner.timeout_s:.0f}s by {self.members}") from None  # fmt: skip
 
     def close(self) -> None:
-        self.group = None  # unregistered group: dropping the last reference shuts it down
+        if self.group is not None:
+            destroy_weight_group(self.group)
+            self.group = None
         self.owner.close()
 
 
@@ -214,30 +217,6 @@ def buckets(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
         out[-1][name] = t
         size += nbytes
     return [b for b in out if b]
-
-
-def init_custom_group(backend: str, address: str, port: int, world_size: int, rank: int, group_name: str,
-                      timeout_s: float) -> Any:  # fmt: skip
-    """A process group outside the default one (as SGLang's `init_custom_process_group`): TCPStore at
-    address:port, keys prefixed by the group name, so it coexists with torchrun's own group."""
-    import datetime as _dt
-
-    import torch.distributed as dist
-
-    timeout = _dt.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout)
-    prefixed = dist.PrefixStore(group_name, store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    return dist.ProcessGroupNCCL(prefixed, rank, world_size, dist.ProcessGroupNCCL.Options())
-
-
-def _root0() -> Any:
-    import torch.distributed as dist
-
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    return opts
 
 
 def _is_loopback(url: str) -> bool:
