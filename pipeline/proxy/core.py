@@ -1,0 +1,342 @@
+"""One LLM call, whatever the API: prompt tokens, engine, parsing, recording.
+
+The three API modules convert their request to a `CallSpec` (normalised messages + tools +
+sampling) and their response from `Completion`s / stream events, so the token-exact logic, the
+parsers and the recording exist once. Every completion the agent receives is recorded as an
+`Interaction` in the session's tree before the response (or the stream's last event) goes out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.engine.client import EngineClient, EngineError, GenerateResult
+from pipeline.proxy.errors import ApiError, bad_request
+from pipeline.proxy.messages import Message, MessageKey, message_key, tool_call, tools_key
+from pipeline.proxy.parsers import TOOL_PARSERS, Event, OutputParser, Parsed, collect, parse_text
+from pipeline.proxy.sessions import Session
+from pipeline.proxy.streaming import IncrementalDetokenizer, StopHolder, cut_at_stop
+from pipeline.proxy.tokenize import ChatTokenizer, check_context
+from pipeline.trajectory import Interaction
+from schemas.config.model import ModelConfig
+from schemas.config.proxy import ProxyConfig
+
+log = logging.getLogger("arl.proxy.core")
+
+
+@dataclass
+class CallSpec:
+    """An API-independent chat call."""
+
+    messages: list[Message]
+    tools: list[dict] | None = None
+    """OpenAI chat function tools: [{"type": "function", "function": {"name", "description", "parameters"}}]."""
+    tool_choice: str = "auto"
+    """auto | none | required | named."""
+    tool_name: str | None = None
+    """The tool of a named tool_choice."""
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    n: int = 1
+    api: str = "chat"
+
+
+@dataclass
+class Prepared:
+    prompt_ids: list[int]
+    parent: Interaction | None
+    prefix_break: bool
+    break_reason: str | None
+    keys: list[MessageKey]
+    tools_key: str
+    render_tools: list[dict] | None
+    prefill: str
+    tool_parser: str
+    max_new_tokens: int
+
+
+@dataclass
+class Completion:
+    """One finished choice, recorded."""
+
+    index: int
+    interaction: Interaction
+    parsed: Parsed
+    finish_reason: str  # stop | length | tool_calls | abort
+    stop_string: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def id(self) -> str:
+        return self.interaction.id
+
+
+@dataclass
+class StreamItem:
+    """A streamed increment of choice `index`: a parser event, or the finished completion."""
+
+    index: int
+    event: Event | None = None
+    done: Completion | None = None
+
+
+class Generator:
+    """Prepares prompts token-exactly, calls the engine, parses, records (see module docstring)."""
+
+    def __init__(self, tokenizer: ChatTokenizer, engine: EngineClient, model: ModelConfig, proxy: ProxyConfig) -> None:
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.model = model
+        self.proxy = proxy
+        self.reasoning_parser = model.reasoning_parser
+        self._warned_version = False
+
+    # -- prompt ---------------------------------------------------------------------------
+    def prepare(self, session: Session, spec: CallSpec) -> Prepared:
+        if not spec.messages:
+            raise bad_request("messages must hold at least one message", param="messages")
+        render_tools, prefill, tool_parser = self._tools(spec)
+        keys = [message_key(m) for m in spec.messages]
+        tkey = tools_key(render_tools)
+        match = session.find_parent(keys, tkey)
+        parent, prompt_ids, reason = match.parent, None, None
+        if parent is not None and match.exact:
+            ext = self.tokenizer.extend(spec.messages, render_tools, match.prefix_len, parent.output_ids, prefill)
+            if ext is not None:
+                prompt_ids = [*parent.prompt_ids, *parent.output_ids, *ext.suffix_ids]
+            else:
+                reason = "template_not_prefix_stable"
+        elif parent is not None:
+            reason = "history_edited"
+        if prompt_ids is None:
+            prompt_ids = self.tokenizer.prompt_ids(spec.messages, render_tools, prefill)
+        room = check_context(len(prompt_ids), self.model.max_context)
+        wanted = spec.max_tokens if spec.max_tokens is not None else self.proxy.default_max_tokens
+        max_new = max(1, min(wanted, self.proxy.max_tokens_limit, room))
+        return Prepared(prompt_ids, parent, reason is not None, reason, keys, tkey, render_tools, prefill,
+                        tool_parser, max_new)  # fmt: skip
+
+    def _tools(self, spec: CallSpec) -> tuple[list[dict] | None, str, str]:
+        """(tools to render, assistant prefill, tool parser name) for the tool_choice."""
+        tools = spec.tools or None
+        parser = self.model.tool_parser
+        if tools is None or spec.tool_choice == "none":
+            if spec.tool_choice in ("required", "named"):
+                raise bad_request(f"tool_choice={spec.tool_choice!r} needs tools", param="tool_choice")
+            return None, "", "none"
+        cls = TOOL_PARSERS[parser]
+        if spec.tool_choice == "named":
+            chosen = [t for t in tools if t["function"]["name"] == spec.tool_name]
+            if not chosen:
+                names = [t["function"]["name"] for t in tools]
+                raise bad_request(f"tool_choice names {spec.tool_name!r}, which is not among the tools {names}",
+                                  param="tool_choice")  # fmt: skip
+            return chosen, cls.prefill(spec.tool_name), parser
+        if spec.tool_choice == "required":
+            return tools, cls.prefill(None), parser
+        return tools, "", parser
+
+    def sampling_params(self, spec: CallSpec, prep: Prepared, index: int) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "max_new_tokens": prep.max_new_tokens,
+            "stop_token_ids": sorted(self.tokenizer.stop_token_ids),
+        }
+        if spec.temperature is not None:
+            params["temperature"] = spec.temperature
+        if spec.top_p is not None:
+            params["top_p"] = spec.top_p
+        if spec.top_k is not None and spec.top_k > 0:
+            params["top_k"] = spec.top_k
+        if spec.stop:
+            params["stop"] = list(spec.stop)
+        if spec.seed is not None:
+            params["sampling_seed"] = spec.seed + index
+        return params
+
+    # -- non-streaming ----------------------------------------------------------------------
+    async def complete(self, session: Session, spec: CallSpec, ids: list[str]) -> list[Completion]:
+        """Generate `len(ids)` choices concurrently and record each as an interaction."""
+        prep = self.prepare(session, spec)
+        session.inflight += 1
+        try:
+            results = await asyncio.gather(*(
+                self._generate(prep.prompt_ids, self.sampling_params(spec, prep, i), session.id)
+                for i in range(len(ids))
+            ))  # fmt: skip
+        finally:
+            session.inflight -= 1
+            session.touch()
+        completions = []
+        for i, (iid, result) in enumerate(zip(ids, results, strict=True)):
+            text, stop_string = self._output_text(result.output_ids, spec.stop)
+            parsed = parse_text(prep.prefill + text, prep.tool_parser, self.reasoning_parser)
+            versions = [result.weight_version] * len(result.output_ids)
+            completions.append(self._record(session, spec, prep, i, iid, result.output_ids, result.output_logprobs,
+                                            versions, result.finish_reason, parsed, stop_string))  # fmt: skip
+        return completions
+
+    async def _generate(self, prompt_ids: list[int], params: dict[str, Any], sticky: str) -> GenerateResult:
+        try:
+            return await self.engine.generate(prompt_ids, params, sticky_key=sticky)
+        except EngineError as exc:
+            raise _engine_api_error(exc) from None
+
+    def _output_text(self, output_ids: list[int], stops: list[str]) -> tuple[str, str | None]:
+        text = self.tokenizer.decode(output_ids)
+        return cut_at_stop(text, stops) if stops else (text, None)
+
+    # -- streaming --------------------------------------------------------------------------
+    async def stream(self, session: Session, spec: CallSpec, ids: list[str]) -> AsyncIterator[StreamItem]:
+        """Stream parser events of every choice as tokens arrive; each choice ends with its `done` item.
+
+        `prepare` runs before the first item, so request errors are raised before any byte is sent.
+        """
+        prep = self.prepare(session, spec)
+        return self._stream_all(session, spec, prep, ids)
+
+    async def _stream_all(self, session: Session, spec: CallSpec, prep: Prepared,
+                          ids: list[str]) -> AsyncIterator[StreamItem]:  # fmt: skip
+        session.inflight += 1
+        try:
+            if len(ids) == 1:
+                async for item in self._stream_one(session, spec, prep, 0, ids[0]):
+                    yield item
+                return
+            queue: asyncio.Queue[StreamItem | BaseException | None] = asyncio.Queue()
+
+            async def pump(index: int, iid: str) -> None:
+                try:
+                    async for item in self._stream_one(session, spec, prep, index, iid):
+                        await queue.put(item)
+                except Exception as exc:
+                    await queue.put(exc)
+                finally:
+                    await queue.put(None)
+
+            tasks = [asyncio.create_task(pump(i, iid)) for i, iid in enumerate(ids)]
+            try:
+                remaining = len(tasks)
+                while remaining:
+                    got = await queue.get()
+                    if got is None:
+                        remaining -= 1
+                    elif isinstance(got, BaseException):
+                        raise got
+                    else:
+                        yield got
+            finally:
+                for task in tasks:
+                    task.cancel()
+        finally:
+            session.inflight -= 1
+            session.touch()
+
+    async def _stream_one(self, session: Session, spec: CallSpec, prep: Prepared, index: int,
+                          iid: str) -> AsyncIterator[StreamItem]:  # fmt: skip
+        detok = IncrementalDetokenizer(self.tokenizer)
+        stopper = StopHolder(spec.stop)
+        parser = OutputParser(prep.tool_parser, self.reasoning_parser)
+        events: list[Event] = list(parser.feed(prep.prefill))
+        for event in events:
+            yield StreamItem(index, event)
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        reason, version = "stop", None
+        try:
+            async for chunk in self.engine.generate_stream(prep.prompt_ids, self.sampling_params(spec, prep, index),
+                                                           sticky_key=session.id):  # fmt: skip
+                version = chunk.weight_version if chunk.weight_version is not None else version
+                ids.extend(chunk.new_ids)
+                logprobs.extend(chunk.new_logprobs)
+                versions.extend([self._version(version)] * len(chunk.new_ids))
+                for event in parser.feed(stopper.push(detok.push(chunk.new_ids))):
+                    events.append(event)
+                    yield StreamItem(index, event)
+                if chunk.finish_reason is not None:
+                    reason = chunk.finish_reason
+        except EngineError as exc:
+            raise _engine_api_error(exc) from None
+        tail = parser.feed(stopper.push(detok.flush()) + stopper.finish()) + parser.finish()
+        for event in tail:
+            events.append(event)
+            yield StreamItem(index, event)
+        done = self._record(session, spec, prep, index, iid, ids, logprobs, versions, reason, collect(events),
+                            stopper.stopped)  # fmt: skip
+        yield StreamItem(index, done=done)
+
+    def _version(self, version: int | None) -> int:
+        if version is None:
+            if not self._warned_version:
+                log.warning("the engine reported no weight_version while streaming; recording version 0")
+                self._warned_version = True
+            return 0
+        return version
+
+    # -- recording --------------------------------------------------------------------------
+    def _record(self, session: Session, spec: CallSpec, prep: Prepared, index: int, iid: str, output_ids: list[int],
+                logprobs: list[float], versions: list[int], engine_reason: str, parsed: Parsed,
+                stop_string: str | None) -> Completion:  # fmt: skip
+        if engine_reason == "abort":
+            finish = "abort"
+        elif engine_reason == "length":
+            finish = "length"
+        else:
+            finish = "tool_calls" if parsed.tool_calls else "stop"
+        response = assistant_message(parsed)
+        metadata: dict[str, Any] = {"api": spec.api}
+        if prep.break_reason:
+            metadata["prefix_break_reason"] = prep.break_reason
+        if prep.prefill:
+            metadata["prefill"] = prep.prefill
+        interaction = Interaction(
+            id=iid, session_id=session.id, prompt_ids=prep.prompt_ids, output_ids=list(output_ids),
+            output_logprobs=[float(x) for x in logprobs], output_versions=list(versions),
+            messages=spec.messages, response_message=response,
+            parent_id=prep.parent.id if prep.parent is not None else None, prefix_break=prep.prefix_break,
+            finish_reason=finish, created_at=time.time(), metadata=metadata,
+        )  # fmt: skip
+        session.record(interaction, prep.keys, message_key(response), prep.tools_key)
+        return Completion(index, interaction, parsed, finish, stop_string, len(prep.prompt_ids), len(output_ids))
+
+
+def assistant_message(parsed: Parsed) -> Message:
+    """The normalised assistant message for a parse (what is stored and compared next turn)."""
+    message: Message = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        message["tool_calls"] = [tool_call(c.id, c.name, c.arguments) for c in parsed.tool_calls]
+    if parsed.reasoning:
+        message["reasoning_content"] = parsed.reasoning
+    return message
+
+
+def _engine_api_error(exc: EngineError) -> ApiError:
+    """Engine 4xx are the request's fault (400 with the engine's words); the rest is 502/503."""
+    if exc.status is not None and 400 <= exc.status < 500:
+        return ApiError(400, f"the inference server refused the request: {exc}")
+    if exc.status is None:
+        return ApiError(503, f"no inference server could serve the request: {exc}")
+    return ApiError(502, f"the inference server failed: {exc}")
+
+
+def token_logprobs(tokenizer: ChatTokenizer, completion: Completion) -> list[tuple[str, float, list[int]]]:
+    """(token text, logprob, utf-8 bytes) per sampled token, the trailing end-of-turn token left out."""
+    ids = completion.interaction.output_ids
+    lps = completion.interaction.output_logprobs
+    if ids and ids[-1] in tokenizer.stop_token_ids:
+        ids, lps = ids[:-1], lps[:-1]
+    out = []
+    for tid, lp in zip(ids, lps, strict=True):
+        text = tokenizer.token_text(tid)
+        out.append((text, lp, list(text.encode("utf-8", errors="replace"))))
+    return out

@@ -1,0 +1,152 @@
+"""HTTP plumbing of the proxy: key extraction, JSON responses, the body-size limit, error handlers.
+
+Every failure leaves as a 4xx (or a 502/503 when an inference server fails) in the API's own
+error shape: FastAPI's 422 validation errors become 400s, unknown routes 404s, wrong methods
+405s, bodies over `proxy.max_request_bytes` 413s before they are read whole.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pipeline.proxy.errors import ApiError, format_validation_errors
+
+log = logging.getLogger("arl.proxy.http")
+
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def is_anthropic(path: str) -> bool:
+    return path.startswith(ANTHROPIC_PATHS)
+
+
+def presented_key(request: Request) -> str | None:
+    """The key from `Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic's header)."""
+    auth = request.headers.get("authorization")
+    if auth:
+        scheme, _, value = auth.partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+    key = request.headers.get("x-api-key")
+    return key.strip() if key else None
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    return Response(content=body, status_code=status, media_type="application/json")
+
+
+def error_response(path: str, err: ApiError) -> Response:
+    body = err.anthropic_body() if is_anthropic(path) else err.openai_body()
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    response = json_response(body, err.status)
+    if headers:
+        response.headers.update(headers)
+    return response
+
+
+class BodyLimit:
+    """Pure ASGI middleware: 413 when Content-Length, or the bytes actually received, pass the limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    size = int(value)
+                except ValueError:
+                    await self._reject(path, send, ApiError(400, "invalid Content-Length header"))
+                    return
+                if size > self.max_bytes:
+                    await self._reject(path, send, self._too_large(size))
+                    return
+        received = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _TooLarge(received)
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge as exc:
+            if not started:
+                await self._reject(path, send, self._too_large(exc.size))
+
+    def _too_large(self, size: int) -> ApiError:
+        return ApiError(413, f"request body is {size} bytes, more than the proxy accepts "
+                        f"({self.max_bytes} bytes, proxy.max_request_bytes)")  # fmt: skip
+
+    async def _reject(self, path: str, send: Send, err: ApiError) -> None:
+        response = error_response(path, err)
+        await send({"type": "http.response.start", "status": response.status_code,
+                    "headers": [(k.encode(), v.encode()) for k, v in response.headers.items()]})  # fmt: skip
+        await send({"type": "http.response.body", "body": response.body})
+
+
+class _TooLarge(Exception):
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.size = size
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        return error_response(request.url.path, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        errors = list(exc.errors())
+        if any(e.get("type") == "json_invalid" for e in errors):
+            detail = next(e for e in errors if e.get("type") == "json_invalid")
+            ctx = detail.get("ctx") or {}
+            err = ApiError(400, f"the request body is not valid JSON: {ctx.get('error', 'parse error')}")
+        elif any(tuple(e.get("loc", ())) == ("body",) for e in errors):
+            err = ApiError(400, "the request body must be a JSON object (send it with Content-Type: application/json)")
+        else:
+            message, param = format_validation_errors(errors)
+            err = ApiError(400, message, param=param)
+        return error_response(request.url.path, err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            message = f"no endpoint {request.method} {request.url.path} (see docs/proxy.md for the endpoints)"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return error_response(request.url.path, ApiError(exc.status_code, message))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        # A bug, not bad input: log it with the traceback (no headers, so no keys), answer a clean 500.
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(request.url.path, ApiError(500, f"internal proxy error: {type(exc).__name__}"))

@@ -1,0 +1,221 @@
+"""The capture proxy server: FastAPI app, uvicorn inside the caller's event loop, idle sweeps.
+
+    proxy = ProxyServer(model_cfg, proxy_cfg, engine_client, admin_key=key)
+    url = await proxy.start()          # http://127.0.0.1:<port>
+    ...                                # agents use url + "/v1" and a session key
+    await proxy.stop()
+
+The caller owns the `EngineClient` (it is started here if needed, never closed here). Endpoints
+and keys: SPEC §4 and docs/proxy.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from starlette.responses import Response, StreamingResponse
+
+from pipeline.engine.client import EngineClient
+from pipeline.proxy import anthropic_messages, openai_chat, openai_responses, rl
+from pipeline.proxy.core import Generator
+from pipeline.proxy.errors import ApiError
+from pipeline.proxy.http import BodyLimit, install_error_handlers, json_response, presented_key
+from pipeline.proxy.parsers import check_parser_names
+from pipeline.proxy.sessions import Caller, Session, SessionStore
+from pipeline.proxy.streaming import SSE_HEADERS
+from pipeline.proxy.tokenize import ChatTokenizer
+from schemas.api.anthropic import MessagesRequest
+from schemas.api.openai_chat import ChatCompletionRequest
+from schemas.api.openai_responses import ResponsesRequest
+from schemas.api.rl import (
+    AnyAgentFinalize,
+    AnyAgentSetReward,
+    EndSessionRequest,
+    ExportRequest,
+    GrantCapacityRequest,
+    SetRewardRequest,
+    StartSessionRequest,
+)
+from schemas.config.model import ModelConfig
+from schemas.config.proxy import ProxyConfig
+
+log = logging.getLogger("arl.proxy")
+
+
+class ProxyServer:
+    """See the module docstring."""
+
+    def __init__(self, model: ModelConfig, proxy: ProxyConfig, engine: EngineClient, *, admin_key: str) -> None:
+        check_parser_names(model.tool_parser, model.reasoning_parser)
+        self.model = model
+        self.config = proxy
+        self.engine = engine
+        self.tokenizer = ChatTokenizer(model.tokenizer or model.path, model.chat_template, model_dir=model.path)
+        self.store = SessionStore(proxy, admin_key)
+        self.generator = Generator(self.tokenizer, engine, model, proxy)
+        self.app = build_app(self)
+        self._server: Any = None
+        self._serve_task: asyncio.Task[None] | None = None
+        self._sweep_task: asyncio.Task[None] | None = None
+        self.url: str | None = None
+
+    # -- auth -------------------------------------------------------------------------------
+    def caller(self, request: Request, *kinds: str) -> Caller:
+        caller = self.store.identify(presented_key(request))
+        if kinds and caller.kind not in kinds:
+            raise ApiError(403, f"this endpoint needs a {' or '.join(kinds)} key, not a {caller.kind} key")
+        return caller
+
+    # FastAPI dependencies: they run before the body is validated, so a bad key is a 401 whatever the body.
+    async def any_caller(self, request: Request) -> Caller:
+        return self.caller(request)
+
+    async def admin_caller(self, request: Request) -> Caller:
+        return self.caller(request, "admin")
+
+    async def session_caller(self, request: Request) -> Caller:
+        return self.caller(request, "session")
+
+    async def session_for_call(self, request: Request) -> Session:
+        """The open session behind a session key (LLM calls)."""
+        caller = self.caller(request, "session")
+        assert caller.session is not None
+        self.store.check_open(caller.session)
+        caller.session.touch()
+        return caller.session
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> str:
+        """Serve on `proxy.host:proxy.port` (0 = a free port) inside the running loop; return the base URL."""
+        import uvicorn
+
+        await self.engine.start()
+        config = uvicorn.Config(self.app, host=self.config.host, port=self.config.port, log_level="warning",
+                                access_log=False, lifespan="off", timeout_keep_alive=60)  # fmt: skip
+        server = _embedded_server(config)
+        self._server = server
+        self._serve_task = asyncio.create_task(server.serve(), name="proxy-uvicorn")
+        deadline = time.monotonic() + 30.0
+        while not server.started:
+            if self._serve_task.done():
+                self._serve_task.result()  # raises the bind error
+                raise RuntimeError(f"proxy server exited during start-up on {self.config.host}:{self.config.port}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"proxy did not start listening on {self.config.host}:{self.config.port} in 30 s")
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://{self.config.host}:{port}"
+        self._sweep_task = asyncio.create_task(self._sweep_loop(), name="proxy-session-sweep")
+        log.info("proxy serving %s on %s", self.model.served_name, self.url)
+        return self.url
+
+    async def stop(self) -> None:
+        if self._sweep_task is not None:
+            self._sweep_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweep_task
+            self._sweep_task = None
+        if self._server is not None and self._serve_task is not None:
+            self._server.should_exit = True
+            await self._serve_task
+            self._server, self._serve_task = None, None
+
+    async def _sweep_loop(self) -> None:
+        interval = min(max(self.config.session_timeout_s / 4, 0.05), 30.0)
+        while True:
+            await asyncio.sleep(interval)
+            self.store.sweep()
+
+
+def _embedded_server(config: Any) -> Any:
+    """A uvicorn.Server that leaves the host process's signal handlers alone (it is not the main program)."""
+    import uvicorn
+
+    class EmbeddedServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return EmbeddedServer(config)
+
+
+def build_app(proxy: ProxyServer) -> FastAPI:
+    app = FastAPI(title="arl capture proxy", version="1", docs_url=None, redoc_url=None,
+                  description="OpenAI/Anthropic-compatible proxy recording exact tokens for RL (SPEC §4).")  # fmt: skip
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=proxy.config.max_request_bytes)
+    served = proxy.model.served_name
+
+    @app.get("/health")
+    async def health() -> Response:
+        return json_response({"status": "ok", "model": served, "open_sessions": proxy.store.open_count()})
+
+    any_key = Depends(proxy.any_caller)
+    admin = Depends(proxy.admin_caller)
+    session_call = Depends(proxy.session_for_call)
+
+    @app.get("/v1/models")
+    async def models(caller: Caller = any_key) -> Response:
+        return json_response({"object": "list", "data": [
+            {"id": served, "object": "model", "created": 0, "owned_by": "arl", "type": "model", "display_name": served,
+             "created_at": "1970-01-01T00:00:00Z", "max_model_len": proxy.model.max_context}]})  # fmt: skip
+
+    @app.post("/grant_capacity")
+    async def grant_capacity(caller: Caller = admin, body: GrantCapacityRequest | None = None) -> Response:
+        available = proxy.store.grant((body or GrantCapacityRequest()).count)
+        return json_response({"available": available})
+
+    @app.post("/rl/start_session")
+    async def start_session(caller: Caller = any_key, body: StartSessionRequest | None = None) -> Response:
+        return json_response(rl.start_session(proxy.store, caller, body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, session: Session = session_call) -> Response:
+        spec = openai_chat.to_spec(body)
+        cid, ids = openai_chat.new_ids(spec.n)
+        session.completions[cid] = ids
+        if body.stream:
+            items = await proxy.generator.stream(session, spec, ids)
+            return _sse(openai_chat.stream_body(cid, served, body, items, proxy.tokenizer))
+        done = await proxy.generator.complete(session, spec, ids)
+        return json_response(openai_chat.response_body(cid, served, body, done, proxy.tokenizer))
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, session: Session = session_call) -> Response:
+        return await openai_responses.handle(proxy.generator, session, body, served)
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, session: Session = session_call) -> Response:
+        return await anthropic_messages.handle(proxy.generator, session, body, served)
+
+    @app.post("/rl/set_reward")
+    async def set_reward(body: SetRewardRequest, caller: Caller = any_key) -> Response:
+        return json_response(rl.set_reward(proxy.store, caller, body))
+
+    @app.post("/rl/end_session")
+    async def end_session(caller: Caller = any_key, body: EndSessionRequest | None = None) -> Response:
+        return json_response(rl.end_session(proxy.store, caller, body, "end_session"))
+
+    @app.post("/export_trajectories")
+    async def export_trajectories(body: ExportRequest, caller: Caller = admin) -> Response:
+        return json_response(rl.export(proxy.store, caller, body))
+
+    @app.post("/rl/v1/set_reward")
+    async def any_agent_set_reward(body: AnyAgentSetReward, caller: Caller = Depends(proxy.session_caller)) -> Response:
+        return json_response(rl.any_agent_set_reward(proxy.store, caller, body))
+
+    @app.post("/rl/v1/finalize")
+    async def any_agent_finalize(body: AnyAgentFinalize, caller: Caller = Depends(proxy.session_caller)) -> Response:
+        return json_response(rl.finalize(proxy.store, caller, body))
+
+    return app
+
+
+def _sse(chunks: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)

@@ -1,0 +1,247 @@
+"""Sessions: keys, capacity, idle timeouts and each session's conversation tree.
+
+Keys. The admin key and the client keys come from the config; a session key is minted at
+`/rl/start_session` as `arl-sess-<session id>-<secret>`. Looking a session up by the id part
+and comparing the secret with `hmac.compare_digest` keeps the check constant-time without
+scanning every session. Keys are never logged and never echoed in an error.
+
+Lifecycle. open -> ended (by `/rl/end_session`, `/rl/v1/finalize`, or `session_timeout_s` of
+idleness with no call in flight) -> removed (after a successful export, or after another
+`session_timeout_s` unexported). Calls on an ended or removed session answer 410; a small
+tombstone table remembers removed ids for that.
+
+Parent matching (SPEC §4). A request's parent is the latest interaction whose request messages +
+returned assistant message are a prefix of the new request's messages (compared by
+`messages.message_key`) and whose tools are the same: the prompt is then extended token-exactly.
+Failing that, the interaction sharing the longest message prefix with the request (at least one
+message) becomes the parent with a *prefix break* (the agent edited its history): the prompt is
+re-rendered in full and concat export starts a new row there. No shared message -> a new root.
+A request identical to an earlier one (a retry, or one of `n` choices) is that one's sibling.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pipeline.proxy.errors import ApiError
+from pipeline.proxy.messages import MessageKey, common_prefix_len, prefix_hashes
+from pipeline.trajectory import Interaction, SessionTree
+from schemas.config.proxy import ProxyConfig
+
+log = logging.getLogger("arl.proxy.sessions")
+
+SESSION_KEY_PREFIX = "arl-sess-"
+_ID_LEN = 16
+_TOMBSTONES = 100_000
+
+KeyKind = Literal["admin", "client", "session"]
+
+
+@dataclass
+class Caller:
+    """Who presented a valid key: the kind, the client key index (owner), the session for a session key."""
+
+    kind: KeyKind
+    owner: str
+    session: Session | None = None
+
+
+@dataclass
+class _Node:
+    """What parent matching needs about one interaction."""
+
+    interaction: Interaction
+    request_keys: tuple[MessageKey, ...]
+    full_keys: tuple[MessageKey, ...]  # request + the returned assistant message
+    full_hash: int
+    request_hash: int
+    tools: str
+
+
+@dataclass
+class ParentMatch:
+    parent: Interaction | None
+    prefix_len: int  # messages of the request covered by parent.messages + response (exact match)
+    exact: bool
+
+
+@dataclass
+class Session:
+    id: str
+    secret: str
+    owner: str
+    tree: SessionTree
+    created_at: float = field(default_factory=time.time)
+    last_active: float = field(default_factory=time.monotonic)
+    ended: str | None = None  # why: "end_session", "finalize", "timeout"
+    ended_at: float | None = None
+    inflight: int = 0
+    prefix_breaks: int = 0
+    nodes: list[_Node] = field(default_factory=list)
+    completions: dict[str, list[str]] = field(default_factory=dict)  # API response id -> interaction ids
+    responses: dict[str, Any] = field(default_factory=dict)  # Responses API: response id -> stored chain
+
+    @property
+    def api_key(self) -> str:
+        return f"{SESSION_KEY_PREFIX}{self.id}-{self.secret}"
+
+    def touch(self) -> None:
+        self.last_active = time.monotonic()
+
+    def find_parent(self, keys: list[MessageKey], tools: str) -> ParentMatch:
+        """See the module docstring."""
+        hashes = prefix_hashes(keys)
+        n = len(keys)
+        for node in reversed(self.nodes):
+            size = len(node.full_keys)
+            if size > n or node.tools != tools or hashes[size] != node.full_hash:
+                continue
+            if tuple(keys[:size]) == node.full_keys:
+                return ParentMatch(node.interaction, size, exact=True)
+        for node in reversed(self.nodes):  # a retry / another choice of an earlier request
+            if len(node.request_keys) == n and hashes[n] == node.request_hash and tuple(keys) == node.request_keys:
+                parent_id = node.interaction.parent_id
+                if parent_id is None:
+                    return ParentMatch(None, 0, exact=False)
+                sibling_of = self.tree.get(parent_id)
+                exact = not node.interaction.prefix_break
+                return ParentMatch(sibling_of, len(sibling_of.messages) + 1 if exact else 0, exact=exact)
+        best: _Node | None = None
+        best_len = 0
+        for node in reversed(self.nodes):
+            shared = common_prefix_len(node.full_keys, keys)
+            if shared > best_len:
+                best, best_len = node, shared
+        return ParentMatch(best.interaction if best else None, 0, exact=False)
+
+    def record(self, interaction: Interaction, request_keys: list[MessageKey], response_key: MessageKey,
+               tools: str) -> None:  # fmt: skip
+        """Add a finished interaction to the tree and to the parent-matching index."""
+        self.tree.add(interaction)
+        full = (*request_keys, response_key)
+        self.nodes.append(_Node(interaction, tuple(request_keys), full, prefix_hashes(full)[-1],
+                                prefix_hashes(request_keys)[-1], tools))  # fmt: skip
+        if interaction.prefix_break:
+            self.prefix_breaks += 1
+
+
+class SessionStore:
+    """All sessions of one proxy process, with capacity control and idle cleanup."""
+
+    def __init__(self, config: ProxyConfig, admin_key: str) -> None:
+        if not admin_key:
+            raise ValueError("the proxy needs a non-empty admin key")
+        self.config = config
+        self._admin_key = admin_key.encode()
+        self._client_keys = [k.encode() for k in config.client_keys if k]
+        self.sessions: dict[str, Session] = {}
+        self._tombstones: OrderedDict[str, str] = OrderedDict()
+        self.grants = 0
+        self.started_total = 0
+        self.prefix_breaks_total = 0
+
+    # -- keys -------------------------------------------------------------------------------
+    def identify(self, key: str | None) -> Caller:
+        """The caller behind `key`; 401 for a missing/unknown key, 410 for an ended session's key."""
+        if not key:
+            raise ApiError(401, "missing API key: send it as `Authorization: Bearer <key>` or `x-api-key: <key>`")
+        raw = key.encode()
+        if key.startswith(SESSION_KEY_PREFIX):
+            return self._identify_session(key)
+        if hmac.compare_digest(raw, self._admin_key):
+            return Caller("admin", "admin")
+        owner = None
+        for i, client in enumerate(self._client_keys):  # no early exit: time does not depend on which matched
+            if hmac.compare_digest(raw, client):
+                owner = f"client:{i}"
+        if owner is not None:
+            return Caller("client", owner)
+        raise ApiError(401, "invalid API key")
+
+    def _identify_session(self, key: str) -> Caller:
+        rest = key[len(SESSION_KEY_PREFIX) :]
+        session_id, secret = rest[:_ID_LEN], rest[_ID_LEN + 1 :]
+        session = self.sessions.get(session_id)
+        if session is None or not hmac.compare_digest(secret.encode(), session.secret.encode()):
+            if session is None and session_id in self._tombstones and len(rest) > _ID_LEN:
+                # The id was real once; the secret cannot be checked any more, so say only "ended".
+                raise ApiError(410, f"session {session_id} has ended ({self._tombstones[session_id]})",
+                               code="session_ended")  # fmt: skip
+            raise ApiError(401, "invalid API key")
+        return Caller("session", session.owner, session)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def grant(self, count: int = 1) -> int:
+        self.grants += count
+        return self.grants
+
+    def open_count(self) -> int:
+        return sum(1 for s in self.sessions.values() if s.ended is None)
+
+    def start(self, owner: str, group_id: str | None, metadata: dict | None) -> Session:
+        if self.config.require_capacity and self.grants < 1:
+            raise ApiError(429, "no capacity: the rollout has not granted a session slot yet "
+                           "(proxy.require_capacity; an admin grants slots with POST /grant_capacity)")  # fmt: skip
+        if self.open_count() >= self.config.max_sessions:
+            raise ApiError(429, f"too many open sessions ({self.config.max_sessions}, proxy.max_sessions): "
+                           "end finished sessions with POST /rl/end_session")  # fmt: skip
+        if self.config.require_capacity:
+            self.grants -= 1
+        session_id = uuid.uuid4().hex[:_ID_LEN]
+        tree = SessionTree(session_id, group_id or session_id, metadata)
+        session = Session(session_id, secrets.token_urlsafe(24), owner, tree)
+        self.sessions[session_id] = session
+        self.started_total += 1
+        return session
+
+    def check_open(self, session: Session) -> None:
+        if session.ended is not None:
+            raise ApiError(410, f"session {session.id} has ended ({session.ended}): no more calls are accepted",
+                           code="session_ended")  # fmt: skip
+
+    def end(self, session: Session, reason: str) -> None:
+        if session.ended is None:
+            session.ended = reason
+            session.ended_at = time.monotonic()
+
+    def get(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            if session_id in self._tombstones:
+                raise ApiError(410, f"session {session_id} is gone ({self._tombstones[session_id]})",
+                               code="session_ended")  # fmt: skip
+            raise ApiError(404, f"no session {session_id!r} on this proxy")
+        return session
+
+    def remove(self, session_id: str, reason: str) -> None:
+        session = self.sessions.pop(session_id, None)
+        if session is not None:
+            self.prefix_breaks_total += session.prefix_breaks
+        self._tombstones[session_id] = reason
+        while len(self._tombstones) > _TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    def sweep(self, now: float | None = None) -> tuple[list[str], list[str]]:
+        """End sessions idle past the timeout; drop ended ones unexported for another timeout."""
+        now = time.monotonic() if now is None else now
+        timeout = self.config.session_timeout_s
+        ended, removed = [], []
+        for session in list(self.sessions.values()):
+            if session.inflight:
+                continue
+            if session.ended is None and now - session.last_active >= timeout:
+                self.end(session, "timeout")
+                ended.append(session.id)
+            elif session.ended is not None and now - max(session.last_active, session.ended_at or 0) >= timeout:
+                self.remove(session.id, "expired unexported")
+                removed.append(session.id)
+        if ended or removed:
+            log.info("idle sweep: ended %d sessions, removed %d unexported ones", len(ended), len(removed))
+        return ended, removed

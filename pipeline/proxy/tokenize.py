@@ -1,0 +1,211 @@
+"""Chat templating and the token-exact prefix logic (SPEC §4).
+
+The first call of a conversation renders the model's chat template and tokenizes it. A later call
+that *extends* an earlier interaction (same messages + the assistant message the proxy returned +
+new messages) is never re-tokenized: its prompt is the earlier prompt tokens + the tokens the model
+actually sampled + the tokens of the new suffix only, so the trained tokens are the sampled ones.
+
+Finding the suffix. Render the full conversation F (with the generation prompt) and the prefix
+conversation P (up to and including the returned assistant message, no generation prompt). When F
+starts with P, the new text is F[len(P):]. But P ends with the template's *turn close* after the
+assistant content, e.g. Qwen's `<|im_end|>\\n` or Llama 3's `<|eot_id|>`, and the model generated
+only part of it: it stopped *at* `<|im_end|>`. The rest of the close (Qwen's `\\n`) was never
+sampled, so it belongs to the new suffix. Dropping it (taking F[len(P):] alone) silently loses a
+`\\n` per turn and trains the model on sequences it never sees at inference: the trap this module
+exists to avoid. If generation ended without the end-of-turn token (length limit, stop string), the
+whole close is added, so the engine still sees well-formed turns.
+
+Tokenizing fast and exactly. A tokenizer first cuts its input at added tokens (`<|im_end|>`,
+`<tool_call>`, ...) and encodes the pieces between independently, so encoding piece by piece is the
+same as encoding the whole text. Pieces repeat across sessions (system prompt, tool schemas), so
+they are cached. The cut is only used when every added token is plain (no lstrip/rstrip/
+single_word/normalized flags); otherwise the whole text is encoded.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.proxy.errors import ApiError, bad_request
+from pipeline.proxy.messages import Message
+
+_SENTINEL = "\x00ARL_SENTINEL\x00"
+_CACHE_ENTRIES = 8192
+_CACHE_MAX_CHARS = 65536  # pieces longer than this are encoded but not cached
+
+
+@dataclass(frozen=True)
+class Extension:
+    """How a request's prompt is built from an earlier interaction's tokens."""
+
+    suffix_ids: list[int]
+    """Tokens after the earlier prompt + output: the unsampled rest of the turn close + new messages."""
+    close_tail: str
+    """The part of the template's turn close the model did not generate (Qwen: "\\n")."""
+
+
+class ChatTokenizer:
+    """A tokenizer + chat template with the token-exact extension logic of the module docstring."""
+
+    def __init__(
+        self, tokenizer_path: str | Path, chat_template: str | Path | None = None, model_dir: str | Path | None = None
+    ) -> None:
+        from transformers import AutoTokenizer
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        self.path = str(tokenizer_path)
+        self.hf = AutoTokenizer.from_pretrained(self.path)
+        text = Path(chat_template).read_text(encoding="utf-8") if chat_template else self.hf.chat_template
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"tokenizer at {self.path} has no chat template: set model.chat_template to a .jinja file")
+        self.template_text = text
+        self._template = _compile_jinja_template(text)
+        self._special = {k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)}
+        self._backend = self.hf.backend_tokenizer
+        self._added: dict[str, int] = {tok.content: idx for idx, tok in self.hf.added_tokens_decoder.items()}
+        self._splitter = _added_token_splitter(self.hf.added_tokens_decoder.values())
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self.stop_token_ids = _stop_token_ids(self.hf, Path(model_dir or self.path))
+        self.close_text = self._detect_turn_close()
+
+    # -- rendering ------------------------------------------------------------------------
+    def render(self, messages: Sequence[Message], tools: Sequence[dict] | None, add_generation_prompt: bool) -> str:
+        """The template's text for a conversation; template errors become a 400 saying why."""
+        from jinja2 import TemplateError
+
+        try:
+            return self._template.render(
+                messages=messages, tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt, **self._special,
+            )  # fmt: skip
+        except TemplateError as exc:
+            raise bad_request(f"the model's chat template refused this conversation: {exc}", param="messages") from None
+
+    def _detect_turn_close(self) -> str:
+        """The text the template writes after an assistant message's content (`<|im_end|>\\n`)."""
+        conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _SENTINEL}]
+        text = self.render(conv, None, add_generation_prompt=False)
+        if _SENTINEL not in text:
+            raise ValueError(f"chat template of {self.path} does not render assistant content verbatim")
+        return text[text.index(_SENTINEL) + len(_SENTINEL) :]
+
+    # -- tokens ---------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` with no special tokens added (templates write BOS themselves)."""
+        if self._splitter is None:
+            return list(self._backend.encode(text, add_special_tokens=False).ids)
+        ids: list[int] = []
+        for piece in self._splitter.split(text):
+            if not piece:
+                continue
+            added = self._added.get(piece)
+            if added is not None:
+                ids.append(added)
+            else:
+                ids.extend(self._encode_piece(piece))
+        return ids
+
+    def _encode_piece(self, piece: str) -> list[int]:
+        cached = self._cache.get(piece)
+        if cached is not None:
+            self._cache.move_to_end(piece)
+            return cached
+        ids = list(self._backend.encode(piece, add_special_tokens=False).ids)
+        if len(piece) <= _CACHE_MAX_CHARS:
+            self._cache[piece] = ids
+            if len(self._cache) > _CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token as the model would read it (added tokens verbatim)."""
+        return self._backend.decode([token_id], skip_special_tokens=False)
+
+    # -- prompts --------------------------------------------------------------------------
+    def prompt_ids(self, messages: Sequence[Message], tools: Sequence[dict] | None, prefill: str = "") -> list[int]:
+        """A full render + tokenization (a conversation's first call, or after a prefix break)."""
+        return self.encode(self.render(messages, tools, add_generation_prompt=True) + prefill)
+
+    def extend(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[dict] | None,
+        prefix_len: int,
+        parent_output_ids: Sequence[int],
+        prefill: str = "",
+    ) -> Extension | None:
+        """The suffix tokens for `messages`, whose first `prefix_len` messages end with the returned
+        assistant message of an interaction that generated `parent_output_ids`.
+
+        Returns None when the template is not prefix-stable for this conversation (rendering the
+        longer conversation changes earlier text); the caller then re-renders in full and records
+        a prefix break.
+        """
+        prefix_text = self.render(messages[:prefix_len], tools, add_generation_prompt=False)
+        full_text = self.render(messages, tools, add_generation_prompt=True)
+        if not full_text.startswith(prefix_text) or not prefix_text.endswith(self.close_text):
+            return None
+        tail = self.close_tail(parent_output_ids)
+        return Extension(self.encode(tail + full_text[len(prefix_text) :] + prefill), tail)
+
+    def close_tail(self, output_ids: Sequence[int]) -> str:
+        """The part of the turn close the model did not sample, given what it generated."""
+        if output_ids:
+            last = output_ids[-1]
+            text = self.token_text(last)
+            if last in self.stop_token_ids and text and self.close_text.startswith(text):
+                return self.close_text[len(text) :]
+        return self.close_text
+
+
+def _added_token_splitter(tokens: Any) -> re.Pattern[str] | None:
+    """A regex cutting text at added tokens, longest first (as the tokenizer's own matcher does)."""
+    contents = []
+    for tok in tokens:
+        if getattr(tok, "lstrip", False) or getattr(tok, "rstrip", False) or getattr(tok, "single_word", False):
+            return None
+        if getattr(tok, "normalized", False):
+            return None
+        contents.append(tok.content)
+    if not contents:
+        return None
+    alternatives = "|".join(re.escape(c) for c in sorted(contents, key=len, reverse=True))
+    return re.compile(f"({alternatives})")
+
+
+def _stop_token_ids(hf: Any, model_dir: Path) -> frozenset[int]:
+    """End-of-generation ids: the tokenizer's eos plus generation_config.json's eos list."""
+    ids: set[int] = set()
+    if hf.eos_token_id is not None:
+        ids.add(int(hf.eos_token_id))
+    gen_config = model_dir / "generation_config.json"
+    if gen_config.exists():
+        value = json.loads(gen_config.read_text()).get("eos_token_id")
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def check_context(prompt_len: int, max_context: int) -> int:
+    """Tokens left for the completion; a 400 naming both numbers when the prompt does not fit."""
+    room = max_context - prompt_len
+    if room < 1:
+        raise ApiError(
+            400,
+            f"the prompt is {prompt_len} tokens but the model's context is {max_context} tokens "
+            f"(model.max_context): shorten the conversation",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    return room
