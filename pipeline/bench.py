@@ -1,0 +1,120 @@
+"""`arl bench`: run every script under benchmarks/ and write benchmarks/RESULTS.md.
+
+Each benchmark is a standalone script that prints its figures for people and ends with one line
+`RESULT {json}` for this runner: `{"name": ..., "figures": {label: value}, "ratios": {label: value},
+"reference": "what the ratios compare against", "targets": {label: "met"|"missed ..."}}`.
+The runner adds the machine and the date, so every figure in RESULTS.md says where it came from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import ArlError
+from pipeline.handoff import write_text_atomic
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BENCH_DIR = REPO_ROOT / "benchmarks"
+SKIP = {"__init__", "instant_engine", "megatron_gpu"}  # harnesses and GPU-only scripts
+
+
+def discover() -> list[Path]:
+    return sorted(p for p in BENCH_DIR.glob("*.py") if p.stem not in SKIP and not p.stem.startswith("_"))
+
+
+def run_benchmarks(only: list[str], timeout_s: float = 3600.0) -> int:
+    """Run the benchmarks (all, or those named in `only`), print their output, write RESULTS.md."""
+    scripts = discover()
+    if only:
+        unknown = sorted(set(only) - {p.stem for p in scripts})
+        if unknown:
+            raise ArlError(f"unknown benchmark(s) {unknown}; available: {[p.stem for p in scripts]}")
+        scripts = [p for p in scripts if p.stem in only]
+    results, failures = [], []
+    for script in scripts:
+        print(f"== {script.stem}", flush=True)
+        result = _run_one(script, timeout_s)
+        if result is None:
+            failures.append(script.stem)
+        else:
+            results.append(result)
+    out = write_results(results, failures)
+    print(f"wrote {out}")
+    return 1 if failures else 0
+
+
+def _run_one(script: Path, timeout_s: float) -> dict[str, Any] | None:
+    started = time.monotonic()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    try:
+        proc = subprocess.run([sys.executable, str(script)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout_s)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        print(f"   timed out after {timeout_s:.0f}s")
+        return None
+    sys.stdout.write(proc.stdout)
+    result = None
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT ") :])
+    if proc.returncode != 0 or result is None:
+        sys.stdout.write(proc.stderr[-4000:])
+        print(f"   failed (exit {proc.returncode}, RESULT line {'found' if result else 'missing'})")
+        return None
+    result.setdefault("name", script.stem)
+    result["script"] = f"benchmarks/{script.name}"
+    result["seconds"] = round(time.monotonic() - started, 1)
+    return result
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import torch
+
+        torch_version = torch.__version__
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    except ImportError:
+        torch_version, gpu = "absent", "no GPU"
+    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{cpu}, {os.cpu_count()} cores, {mem_gb:.0f} GiB RAM, {gpu}; Python {platform.python_version()}, "
+            f"torch {torch_version}")  # fmt: skip
+
+
+def write_results(results: list[dict[str, Any]], failures: list[str], path: Path | None = None) -> Path:
+    path = path or BENCH_DIR / "RESULTS.md"
+    now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    note = "Written by `arl bench`; every ratio compares against a reference measured in the same run."
+    lines = ["# Benchmark results", "", f"Machine: {machine_description()}  ", f"Date: {now}  ", note, ""]
+    for result in results:
+        lines += [f"## {result['name']}", "", f"`{result['script']}` ({result['seconds']} s). "
+                  f"Reference: {result.get('reference', '-')}", "", "| figure | value |", "| --- | --- |"]  # fmt: skip
+        lines += [f"| {k} | {_fmt(v)} |" for k, v in result.get("figures", {}).items()]
+        lines += [f"| ratio: {k} | {_fmt(v)} |" for k, v in result.get("ratios", {}).items()]
+        lines += [f"| target: {k} | {v} |" for k, v in result.get("targets", {}).items()]
+        lines.append("")
+    if failures:
+        lines += ["## Failed", "", *[f"- {name}" for name in failures], ""]
+    write_text_atomic(path, "\n".join(lines))
+    return path
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.3f}" if abs(value) < 100 else f"{value:,.0f}"
+    return str(value)
