@@ -87,7 +87,7 @@ def machine_description() -> str:
     try:
         import torch
 
-        torch_version = torch.__version__
+        torch_version = str(torch.__version__)
         gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     except ImportError:
         torch_version, gpu = "absent", "no GPU"
