@@ -49,17 +49,17 @@ class _Strict(BaseModel):
 class SamplingParams(_Strict):
     """`sampling_params` of `/generate`, SGLang names and defaults."""
 
-    max_new_tokens: int = Field(128, ge=0)
-    temperature: float = Field(1.0, ge=0.0)
+    max_new_tokens: int = Field(default=128, ge=0)
+    temperature: float = Field(default=1.0, ge=0.0)
     """0 (or below 1e-6) means greedy, as in SGLang."""
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = -1
     """-1 = the whole vocabulary."""
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = Field(1, ge=1, le=64)
+    n: int = Field(default=1, ge=1, le=64)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
@@ -106,7 +106,8 @@ class GenerateReqInput(_Strict):
 
     input_ids: list[int] | list[list[int]] | None = None
     text: str | list[str] | None = None
-    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    """One `SamplingParams` object for every prompt, or one per prompt (validated per item)."""
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] = False
     logprob_start_len: int | list[int] = -1
@@ -176,6 +177,10 @@ class InitWeightsUpdateGroupReqInput(_Strict):
         return self
 
 
+class DestroyWeightsUpdateGroupReqInput(_Strict):
+    group_name: str = "weight_update_group"
+
+
 class UpdateWeightsFromDistributedReqInput(_Strict):
     names: list[str] = Field(min_length=1)
     dtypes: list[str]
@@ -189,8 +194,10 @@ class UpdateWeightsFromDistributedReqInput(_Strict):
     @model_validator(mode="after")
     def _same_lengths(self) -> UpdateWeightsFromDistributedReqInput:
         if not len(self.names) == len(self.dtypes) == len(self.shapes):
-            raise ValueError(f"names, dtypes and shapes must have equal lengths, got "
-                             f"{len(self.names)}, {len(self.dtypes)}, {len(self.shapes)}")  # fmt: skip
+            raise ValueError(
+                f"names, dtypes and shapes must have equal lengths, got "
+                f"{len(self.names)}, {len(self.dtypes)}, {len(self.shapes)}"
+            )
         return self
 
 
@@ -212,4 +219,4 @@ class InferenceEntry(BaseModel):
     pid: int
     started_at: float
     """Epoch seconds."""
-    tp_size: int = Field(1, ge=1)
+    tp_size: int = Field(default=1, ge=1)

@@ -108,8 +108,10 @@ def parse_weight_version(value: Any) -> int:
     try:
         return int(value)
     except (TypeError, ValueError):
-        raise EngineError(f"server reported a non-integer weight_version {value!r}; arl versions are integers "
-                          "(start SGLang with --weight-version 0)") from None  # fmt: skip
+        raise EngineError(
+            f"server reported a non-integer weight_version {value!r}; arl versions are integers "
+            "(start SGLang with --weight-version 0)"
+        ) from None
 
 
 def parse_finish_reason(meta: dict[str, Any]) -> tuple[str | None, int | str | None]:
@@ -204,8 +206,9 @@ class EngineClient:
                 if sticky_key is not None:
                     self._sticky.pop(sticky_key, None)
                 if self._pick_or_none(sticky_key, exclude=tried) is None:
-                    raise EngineError(f"every inference server failed for this request; tried {tried}: {exc}",
-                                      server=server.url) from exc  # fmt: skip
+                    raise EngineError(
+                        f"every inference server failed for this request; tried {tried}: {exc}", server=server.url
+                    ) from exc
                 log.warning("server %s failed (%s); retrying on another server", server.url, exc)
                 continue
             return _result_from(data, server.url)
@@ -235,8 +238,9 @@ class EngineClient:
                 if sticky_key is not None:
                     self._sticky.pop(sticky_key, None)
                 if state.ids or self._pick_or_none(sticky_key, exclude=tried) is None:
-                    raise EngineError(f"stream from {server.url} failed after {len(state.ids)} tokens: {exc}",
-                                      server=server.url) from exc  # fmt: skip
+                    raise EngineError(
+                        f"stream from {server.url} failed after {len(state.ids)} tokens: {exc}", server=server.url
+                    ) from exc
                 log.warning("server %s failed before streaming (%s); retrying elsewhere", server.url, exc)
             finally:
                 # The caller may stop iterating early: close the inner stream now so it aborts the
@@ -262,8 +266,11 @@ class EngineClient:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
         except TimeoutError:
             self._abort_later(server.url, rid)
-            raise EngineError(f"stream from {server.url} timed out after {self.request_timeout_s}s "
-                              "(raise inference.request_timeout_s?)", server=server.url) from None  # fmt: skip
+            raise EngineError(
+                f"stream from {server.url} timed out after {self.request_timeout_s}s "
+                "(raise inference.request_timeout_s?)",
+                server=server.url,
+            ) from None
         except (asyncio.CancelledError, GeneratorExit):
             self._abort_later(server.url, rid)
             raise
@@ -271,8 +278,13 @@ class EngineClient:
             server.inflight -= 1
 
     def _body(self, input_ids: list[int], sampling_params: dict[str, Any], *, stream: bool) -> dict[str, Any]:
-        return {"input_ids": list(input_ids), "sampling_params": dict(sampling_params), "return_logprob": True,
-                "stream": stream, "rid": uuid.uuid4().hex}  # fmt: skip
+        return {
+            "input_ids": list(input_ids),
+            "sampling_params": dict(sampling_params),
+            "return_logprob": True,
+            "stream": stream,
+            "rid": uuid.uuid4().hex,
+        }
 
     async def _tracked(self, server: _Server, rid: str, work: Awaitable[dict[str, Any]]) -> dict[str, Any]:
         """Count the request as in flight; abort it on the server if we are cancelled or time out."""
@@ -282,8 +294,11 @@ class EngineClient:
                 return await work
         except TimeoutError:
             self._abort_later(server.url, rid)
-            raise EngineError(f"request to {server.url} timed out after {self.request_timeout_s}s "
-                              "(raise inference.request_timeout_s?)", server=server.url) from None  # fmt: skip
+            raise EngineError(
+                f"request to {server.url} timed out after {self.request_timeout_s}s "
+                "(raise inference.request_timeout_s?)",
+                server=server.url,
+            ) from None
         except asyncio.CancelledError:
             self._abort_later(server.url, rid)
             raise
@@ -308,8 +323,10 @@ class EngineClient:
         server = self._pick_or_none(sticky_key, exclude)
         if server is None:
             if not self._servers:
-                raise EngineError("no inference servers known: is the inference stage running and has it "
-                                  "written registry/inference/*.json?")  # fmt: skip
+                raise EngineError(
+                    "no inference servers known: is the inference stage running and has it "
+                    "written registry/inference/*.json?"
+                )
             states = {url: s.last_error or "excluded" for url, s in self._servers.items()}
             raise EngineError(f"no usable inference server: {states}")
         if sticky_key is not None:
@@ -411,8 +428,9 @@ class EngineClient:
         """
         return 1 + sum((await self.server_tp_sizes()).values())
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, group_name: str,
-                                        backend: str) -> int:  # fmt: skip
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, group_name: str, backend: str
+    ) -> int:
         """Ask every server to join the broadcast group; server i's ranks start at 1 + sum(tp of servers < i).
 
         Returns the world size. The trainer must join as rank 0 concurrently (this call completes
@@ -423,17 +441,32 @@ class EngineClient:
         offsets, next_rank = {}, 1
         for url, tp in sizes.items():
             offsets[url], next_rank = next_rank, next_rank + tp
-        bodies = {url: {"master_address": master_address, "master_port": int(master_port), "rank_offset": offsets[url],
-                        "world_size": world_size, "group_name": group_name, "backend": backend}
-                  for url in sizes}  # fmt: skip
+        bodies = {
+            url: {
+                "master_address": master_address,
+                "master_port": int(master_port),
+                "rank_offset": offsets[url],
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            }
+            for url in sizes
+        }
         await self._fan_out("POST", "/init_weights_update_group", bodies)
         return world_size
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str, weight_version: int) -> None:  # fmt: skip
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, weight_version: int
+    ) -> None:
         """Every server receives the named tensors from the group's rank 0 (broadcast in `names` order)."""
-        body = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-                "group_name": group_name, "weight_version": str(weight_version), "flush_cache": True}  # fmt: skip
+        body = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "weight_version": str(weight_version),
+            "flush_cache": True,
+        }
         await self._fan_out("POST", "/update_weights_from_distributed", body)
 
     async def pause_generation(self) -> None:
@@ -467,8 +500,11 @@ class EngineClient:
             detail = "; ".join(f"{u}: {e}" for u, e in failed.items())
             statuses = {e.status for e in failed.values() if isinstance(e, EngineError)}
             status = statuses.pop() if len(statuses) == 1 else None
-            raise EngineError(f"{path} failed on {len(failed)} of {len(urls)} servers: {detail}", status=status,
-                              server=",".join(failed))  # fmt: skip
+            raise EngineError(
+                f"{path} failed on {len(failed)} of {len(urls)} servers: {detail}",
+                status=status,
+                server=",".join(failed),
+            )
         return {u: r for u, r in zip(urls, results, strict=True) if isinstance(r, dict)}
 
     async def _admin(self, url: str, method: str, path: str, body: Any = None) -> dict[str, Any]:
@@ -514,8 +550,10 @@ class _Retryable(Exception):
 def _check_single(sampling_params: dict[str, Any]) -> None:
     n = sampling_params.get("n", 1)
     if n != 1:
-        raise ValueError(f"sampling_params.n={n!r}: EngineClient.generate returns one completion; "
-                         "issue n concurrent calls with the same sticky_key instead")  # fmt: skip
+        raise ValueError(
+            f"sampling_params.n={n!r}: EngineClient.generate returns one completion; "
+            "issue n concurrent calls with the same sticky_key instead"
+        )
 
 
 def _json_or_text(text: str) -> Any:
@@ -564,11 +602,15 @@ def _result_from(data: dict[str, Any], url: str) -> GenerateResult:
     if len(logprobs) != len(ids):
         raise EngineError(f"{url} returned {len(ids)} output ids but {len(logprobs)} logprobs", server=url)
     return GenerateResult(
-        output_ids=ids, output_logprobs=logprobs, finish_reason=reason or "stop", matched=matched,
+        output_ids=ids,
+        output_logprobs=logprobs,
+        finish_reason=reason or "stop",
+        matched=matched,
         weight_version=parse_weight_version(meta.get("weight_version")),
-        prompt_tokens=int(meta.get("prompt_tokens", 0)), completion_tokens=int(meta.get("completion_tokens", len(ids))),
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        completion_tokens=int(meta.get("completion_tokens", len(ids))),
         server=url,
-    )  # fmt: skip
+    )
 
 
 def _chunk_from(payload: dict[str, Any], state: _StreamState) -> GenerateChunk | None:
@@ -583,15 +625,20 @@ def _chunk_from(payload: dict[str, Any], state: _StreamState) -> GenerateChunk |
     logprobs = _logprob_values(meta)
     total = int(meta.get("completion_tokens", len(state.ids) + len(ids)))
     if len(ids) == total and len(state.ids) <= total:  # cumulative
-        new_ids = ids[len(state.ids):]
+        new_ids = ids[len(state.ids) :]
     else:
         new_ids = ids
-    new_lps = logprobs[len(state.logprobs):] if len(logprobs) == total else logprobs
+    new_lps = logprobs[len(state.logprobs) :] if len(logprobs) == total else logprobs
     state.ids.extend(new_ids)
     state.logprobs.extend(new_lps)
     reason, matched = parse_finish_reason(meta)
     if not new_ids and reason is None:
         return None
     version = meta.get("weight_version")
-    return GenerateChunk(new_ids=new_ids, new_logprobs=new_lps, finish_reason=reason, matched=matched,
-                         weight_version=parse_weight_version(version) if version is not None else None)  # fmt: skip
+    return GenerateChunk(
+        new_ids=new_ids,
+        new_logprobs=new_lps,
+        finish_reason=reason,
+        matched=matched,
+        weight_version=parse_weight_version(version) if version is not None else None,
+    )

@@ -1,0 +1,386 @@
+"""The `hf` engine's scheduler: one thread owns the model and runs continuous batching.
+
+Each loop iteration: run queued commands (aborts, pause, weight loads) → admit waiting requests
+(prefilled together as one left-padded batch, then merged into the running batch) → one decode
+step for every running sequence → deliver the new tokens to the waiting HTTP handlers. A request
+that arrives mid-generation starts at the next iteration; a finished sequence leaves the batch
+at once, so nobody waits for an unrelated long completion.
+
+Weight updates (`update`) are applied between steps, with SGLang's semantics: the update waits
+until the requests in flight have finished (new requests queue meanwhile), unless generation is
+paused (`/pause_generation`), in which case it applies at once and the paused requests continue
+with the new weights after `/continue_generation` (mode `in_place` keeps their KV cache from the
+old weights; mode `retract` recomputes it from the tokens under the new weights).
+`abort_all_requests` aborts the requests in flight instead of waiting for them.
+
+Why a thread and not the event loop: a forward pass blocks for milliseconds to seconds; on the
+event loop it would stall every HTTP request, health check and stream of the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pipeline.engine.kvbatch import KVBatch, cache_tensors, dynamic_cache, left_pad
+from pipeline.engine.sampling import RowSampling, sample_next
+
+log = logging.getLogger("arl.engine.batcher")
+
+
+@dataclass
+class Progress:
+    """Tokens a request produced since its previous event (delivered on the request's event loop)."""
+
+    new_ids: list[int]
+    new_logprobs: list[float]
+    weight_version: int
+    finish: dict[str, Any] | None = None
+
+
+@dataclass
+class GenRequest:
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    sampling: RowSampling
+    stop_token_ids: set[int]
+    stop_strings: list[str]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[Progress]
+
+
+@dataclass
+class _Seq:
+    req: GenRequest
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    emitted: int = 0
+    finish: dict[str, Any] | None = None
+
+
+@dataclass
+class _Update:
+    apply: Callable[[], Any]
+    version: int | None
+    abort_all: bool
+    future: concurrent.futures.Future[Any]
+
+
+class Scheduler:
+    """Continuous batching over a Hugging Face causal LM (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_batch_size: int,
+        max_context: int,
+        eos_ids: set[int],
+        weight_version: int,
+        return_original_logprob: bool = False,
+        seed: int | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.max_batch_size = max_batch_size
+        self.max_context = max_context
+        self.eos_ids = eos_ids
+        self.weight_version = weight_version
+        self.return_original_logprob = return_original_logprob
+        self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids, default=0))
+        self.generator = torch.Generator(device=self.device)
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
+        self.paused: str | None = None
+        self.error: BaseException | None = None
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._batch: KVBatch | None = None
+        self._updates: list[_Update] = []
+        self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
+        self._outbox: list[tuple[_Seq, Progress]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._main, name="hf-engine-scheduler", daemon=True)
+
+    # -- thread-safe API --------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, req: GenRequest) -> None:
+        with self._lock:
+            self._waiting.append(_Seq(req))
+        self._wake.set()
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Run `fn` on the scheduler thread between two steps; its result or error lands in the future."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            self._commands.append((fn, future))
+        self._wake.set()
+        return future
+
+    def update(
+        self, apply: Callable[[], Any], *, version: int | None, abort_all: bool
+    ) -> concurrent.futures.Future[Any]:
+        """Run the weight update `apply` once the requests in flight are done (or at once when paused)."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            self._updates.append(_Update(apply, version, abort_all, future))
+        self._wake.set()
+        return future
+
+    def abort(self, rid: str | None, message: str = "aborted by request") -> int:
+        """Abort one request (by rid, matching n>1 children `rid_i` too) or all (rid None). Scheduler thread only."""
+        count = 0
+        for seq in [*self._waiting, *self._running]:
+            if seq.finish is None and (rid is None or seq.req.rid == rid or seq.req.rid.startswith(f"{rid}_")):
+                self._finish(seq, {"type": "abort", "message": message})
+                count += 1
+        self._drop_finished()
+        return count
+
+    def pause(self, mode: str) -> None:
+        """Scheduler thread only. `abort`: abort everything, then pause; `retract`: requeue running requests."""
+        if mode == "abort":
+            self.abort(None, "aborted by /pause_generation")
+        elif mode == "retract":
+            self._requeue_running()
+        self.paused = mode
+
+    def resume(self) -> None:
+        self.paused = None
+
+    def load(self) -> dict[str, int]:
+        return {"running": len(self._running), "waiting": len(self._waiting)}
+
+    # -- the loop ---------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            with torch.inference_mode():
+                while not self._stopping:
+                    self._wake.clear()
+                    worked = self._iteration()
+                    self._flush()
+                    if not worked:
+                        self._wake.wait(timeout=1.0)
+        except BaseException as exc:  # a dead scheduler must be visible: /health turns 503
+            self.error = exc
+            log.exception("scheduler thread died")
+            self._fail_all(f"engine scheduler died: {exc}")
+        finally:
+            self._fail_all("engine stopped")
+
+    def _iteration(self) -> bool:
+        worked = self._run_commands()
+        worked |= self._maybe_update()
+        if self.paused is None and not self._updates:
+            worked |= self._admit()
+        if self._running and self.paused is None:
+            self._guarded(self._decode_step)
+            worked = True
+        return worked
+
+    def _run_commands(self) -> bool:
+        with self._lock:
+            commands, self._commands = self._commands, deque()
+        for fn, future in commands:
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+        return bool(commands)
+
+    def _maybe_update(self) -> bool:
+        if not self._updates:
+            return False
+        if any(u.abort_all for u in self._updates):
+            self.abort(None, "aborted for a weight update")
+        if self._running and self.paused is None:
+            return False  # drain: the running requests finish first; admission is stopped meanwhile
+        with self._lock:
+            updates, self._updates = self._updates, []
+        for update in updates:
+            try:
+                result = update.apply()
+                if update.version is not None:
+                    self.weight_version = update.version
+                update.future.set_result(result)
+            except Exception as exc:
+                update.future.set_exception(exc)
+        return True
+
+    def _admit(self) -> bool:
+        free = self.max_batch_size - len(self._running)
+        fresh: list[_Seq] = []
+        with self._lock:
+            while self._waiting and len(fresh) < free:
+                seq = self._waiting.popleft()
+                if seq.finish is None:
+                    fresh.append(seq)
+        for seq in [s for s in fresh if s.req.max_new_tokens == 0]:
+            self._finish(seq, {"type": "length", "length": 0})
+        fresh = [s for s in fresh if s.finish is None]
+        if not fresh:
+            return False
+        self._guarded(lambda: self._prefill(fresh), fresh)
+        return True
+
+    def _prefill(self, fresh: list[_Seq]) -> None:
+        ids, mask = left_pad([s.req.input_ids + s.output for s in fresh], self.pad_id, self.device)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=dynamic_cache(None, self.model.config),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        batch = KVBatch(cache_tensors(out.past_key_values), mask)
+        self._batch = batch if self._batch is None else self._batch.merge(batch)
+        self._running.extend(fresh)
+        self._sample(fresh, out.logits[:, -1])
+        self._drop_finished()
+
+    def _decode_step(self) -> None:
+        assert self._batch is not None
+        last = torch.tensor([[s.output[-1]] for s in self._running], device=self.device)
+        mask = torch.cat([self._batch.mask, self._batch.mask.new_ones(self._batch.rows, 1)], dim=1)
+        out = self.model(
+            input_ids=last,
+            attention_mask=mask,
+            position_ids=self._batch.lengths(),
+            past_key_values=dynamic_cache(self._batch.kv, self.model.config),
+            use_cache=True,
+        )
+        self._batch = KVBatch(cache_tensors(out.past_key_values), mask)
+        self._sample(self._running, out.logits[:, -1])
+        self._drop_finished()
+
+    def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+        tokens, logprobs = sample_next(
+            logits,
+            [s.req.sampling for s in seqs],
+            generator=self.generator,
+            return_original_logprob=self.return_original_logprob,
+        )
+        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+            seq.output.append(token)
+            seq.logprobs.append(logprob)
+            finish = self._check_finish(seq, token)
+            if finish is not None:
+                self._finish(seq, finish)
+            else:
+                self._outbox.append((seq, self._progress(seq)))
+
+    def _check_finish(self, seq: _Seq, token: int) -> dict[str, Any] | None:
+        req = seq.req
+        if token in req.stop_token_ids:
+            return {"type": "stop", "matched": token}
+        if req.stop_strings:
+            window = max(len(s) for s in req.stop_strings) * 4 + 4  # a token holds >= 1 byte of text
+            tail = self.tokenizer.decode(seq.output[-window:], skip_special_tokens=False)
+            for stop in req.stop_strings:
+                if stop in tail:
+                    return {"type": "stop", "matched": stop}
+        if len(seq.output) >= req.max_new_tokens or len(req.input_ids) + len(seq.output) >= self.max_context:
+            return {"type": "length", "length": len(seq.output)}
+        return None
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, s in enumerate(self._running) if s.finish is None]
+        if len(keep) != len(self._running):
+            self._running = [self._running[i] for i in keep]
+            self._batch = self._batch.select(keep) if self._batch is not None else None
+        with self._lock:
+            if any(s.finish is not None for s in self._waiting):
+                self._waiting = deque(s for s in self._waiting if s.finish is None)
+
+    def _guarded(self, step: Callable[[], None], seqs: list[_Seq] | None = None) -> None:
+        """Run a forward step; if it fails, abort the sequences involved (not the whole server)."""
+        try:
+            step()
+        except Exception as exc:
+            involved = seqs if seqs is not None else list(self._running)
+            log.exception("forward step failed; aborting %d sequences", len(involved))
+            for seq in involved:
+                self._finish(seq, {"type": "abort", "message": f"engine error: {type(exc).__name__}: {exc}"})
+            if self._batch is not None and self._batch.rows != len(self._running):
+                self._requeue_running()  # rows and sequences disagree: recompute the survivors' caches
+            self._drop_finished()
+
+    def _requeue_running(self) -> None:
+        """Put running sequences back at the head of the queue; their KV is rebuilt from their tokens."""
+        with self._lock:
+            for seq in reversed(self._running):
+                self._waiting.appendleft(seq)
+        self._running, self._batch = [], None
+
+    # -- delivery ---------------------------------------------------------------------------
+    def _progress(self, seq: _Seq) -> Progress:
+        start, seq.emitted = seq.emitted, len(seq.output)
+        return Progress(seq.output[start:], seq.logprobs[start:], self.weight_version, seq.finish)
+
+    def _finish(self, seq: _Seq, finish: dict[str, Any]) -> None:
+        if seq.finish is not None:
+            return
+        seq.finish = finish
+        self._outbox.append((seq, self._progress(seq)))
+
+    def _flush(self) -> None:
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Progress], Progress]]] = {}
+        for seq, event in outbox:
+            by_loop.setdefault(seq.req.loop, []).append((seq.req.events, event))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that event loop is closed: nobody is waiting any more
+                pass
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            pending = [*self._waiting, *self._running]
+            self._waiting.clear()
+            updates, self._updates = self._updates, []
+            commands, self._commands = self._commands, deque()
+        self._running, self._batch = [], None
+        for seq in pending:
+            self._finish(seq, {"type": "abort", "message": message})
+        for update in updates:
+            update.future.set_exception(RuntimeError(message))
+        for _, future in commands:
+            future.set_exception(RuntimeError(message))
+        self._flush()
+
+
+def _deliver(items: list[tuple[asyncio.Queue[Progress], Progress]]) -> None:
+    for queue, event in items:
+        queue.put_nowait(event)

@@ -1,0 +1,166 @@
+"""SGLang `/generate` requests in, engine work items out; finished work back to SGLang's response shape.
+
+Everything here is pure (no model, no HTTP), so the validation rules are unit-tested directly:
+a request the engine cannot serve is refused here with a message naming the field and the value,
+before anything reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from schemas.engine_api import GenerateReqInput, SamplingParams
+
+
+class RequestError(ValueError):
+    """The request is malformed or cannot be served (answered with HTTP 400)."""
+
+
+@dataclass
+class WorkItem:
+    """One completion to produce: a prompt, its sampling parameters and where the answer goes."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    return_logprob: bool
+
+
+@dataclass
+class Limits:
+    vocab_size: int
+    max_context: int
+
+
+def expand(req: GenerateReqInput, limits: Limits, tokenizer: Any) -> list[WorkItem]:
+    """The work items of a request: one per prompt and per sample (`n`), prompt-major."""
+    prompts = _prompts(req, tokenizer)
+    count = len(prompts)
+    params = [_sampling(raw, i) for i, raw in enumerate(_per_prompt(req.sampling_params, count, "sampling_params", {}))]
+    logprob_flags = _per_prompt(req.return_logprob, count, "return_logprob", False)
+    rids = _rids(req.rid, count)
+    items = []
+    for index, (prompt, sp, want_lp, rid) in enumerate(zip(prompts, params, logprob_flags, rids, strict=True)):
+        _check_prompt(prompt, index, limits)
+        # Like SGLang: the completion is clipped to what fits in the context, not refused.
+        max_new = min(sp.max_new_tokens, limits.max_context - len(prompt))
+        if sp.n == 1:
+            items.append(WorkItem(rid, prompt, sp, max_new, bool(want_lp)))
+        else:
+            items.extend(WorkItem(f"{rid}_{j}", prompt, sp, max_new, bool(want_lp)) for j in range(sp.n))
+    if req.stream and len(items) != 1:
+        raise RequestError(f"stream=true needs one prompt with n=1; this request expands to {len(items)} completions")
+    return items
+
+
+def _prompts(req: GenerateReqInput, tokenizer: Any) -> list[list[int]]:
+    if req.input_ids is not None:
+        if not req.input_ids:
+            raise RequestError("input_ids is empty: give at least one token id")
+        ids = req.input_ids
+        return [list(p) for p in ids] if isinstance(ids[0], list) else [list(ids)]  # type: ignore[arg-type]
+    texts = [req.text] if isinstance(req.text, str) else list(req.text or [])
+    if not texts:
+        raise RequestError("text is empty")
+    return [list(tokenizer(t, add_special_tokens=True)["input_ids"]) for t in texts]
+
+
+def _sampling(raw: dict[str, Any], index: int) -> SamplingParams:
+    try:
+        return SamplingParams.model_validate(raw)
+    except ValidationError as exc:
+        where = f"sampling_params[{index}]" if index else "sampling_params"
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or where}: {e['msg']}" for e in exc.errors())
+        raise RequestError(f"invalid {where}: {problems}") from None
+
+
+def _per_prompt(value: Any, count: int, name: str, default: Any) -> list[Any]:
+    if value is None:
+        return [default] * count
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise RequestError(f"{name} has {len(value)} entries but the request has {count} prompts")
+    return value
+
+
+def _rids(rid: str | list[str] | None, count: int) -> list[str]:
+    if rid is None:
+        base = uuid.uuid4().hex
+        return [base] if count == 1 else [f"{base}_{i}" for i in range(count)]
+    if isinstance(rid, str):
+        return [rid] if count == 1 else [f"{rid}_{i}" for i in range(count)]
+    if len(rid) != count or len(set(rid)) != count:
+        raise RequestError(f"rid must hold {count} distinct ids (one per prompt), got {rid!r}")
+    return list(rid)
+
+
+def _check_prompt(prompt: list[int], index: int, limits: Limits) -> None:
+    where = f"prompt {index}" if index else "the prompt"
+    if not prompt:
+        raise RequestError(f"{where} is empty: give at least one token id")
+    bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise RequestError(f"{where} holds token ids outside the vocabulary [0, {limits.vocab_size}): {bad[:10]}")
+    if len(prompt) >= limits.max_context:
+        raise RequestError(
+            f"{where} has {len(prompt)} tokens but the context holds {limits.max_context} "
+            "(prompt + completion); shorten the prompt or raise model.max_context"
+        )
+
+
+def stop_token_ids(params: SamplingParams, eos_ids: set[int]) -> set[int]:
+    """Tokens that end generation: `stop_token_ids` and EOS, unless `ignore_eos` (SGLang disables both)."""
+    if params.ignore_eos:
+        return set()
+    return set(params.stop_token_ids or []) | eos_ids
+
+
+def finish_text(text: str, finish: dict[str, Any] | None, params: SamplingParams) -> str:
+    """Cut `text` at a matched stop string (kept with `no_stop_trim`), as SGLang does."""
+    if finish and isinstance(finish.get("matched"), str) and not params.no_stop_trim:
+        cut = text.find(finish["matched"])
+        if cut >= 0:
+            return text[:cut]
+    return text
+
+
+def response(
+    item: WorkItem,
+    output_ids: list[int],
+    logprobs: list[float],
+    finish: dict[str, Any] | None,
+    weight_version: int,
+    tokenizer: Any,
+    *,
+    text_in_logprobs: bool = False,
+    include_text: bool = True,
+) -> dict[str, Any]:
+    """SGLang's response object for one completion (cumulative: everything produced so far)."""
+    meta: dict[str, Any] = {
+        "id": item.rid,
+        "finish_reason": finish,
+        "prompt_tokens": len(item.input_ids),
+        "completion_tokens": len(output_ids),
+        "cached_tokens": 0,
+        "weight_version": str(weight_version),
+    }
+    if item.return_logprob:
+        meta["output_token_logprobs"] = [
+            [lp, tok, tokenizer.decode([tok]) if text_in_logprobs else None]
+            for lp, tok in zip(logprobs, output_ids, strict=True)
+        ]
+    text = None
+    if include_text:
+        raw = tokenizer.decode(
+            output_ids,
+            skip_special_tokens=item.params.skip_special_tokens,
+            spaces_between_special_tokens=item.params.spaces_between_special_tokens,
+        )
+        text = finish_text(raw, finish, item.params)
+    return {"text": text, "output_ids": list(output_ids), "meta_info": meta}

@@ -1,0 +1,95 @@
+"""Next-token sampling for a batch of sequences with per-row parameters, SGLang semantics.
+
+What the returned log-probability means (matches SGLang's `Sampler`, checked against
+`python/sglang/srt/layers/sampler.py`):
+
+* greedy rows (temperature < 1e-6): `log_softmax(logits)[token]`, the unscaled distribution;
+* sampled rows, default: `log(softmax(logits / temperature))[token]`, the *temperature-scaled*
+  distribution over the whole vocabulary, *before* top-k / top-p / min-p truncation (those only
+  decide which tokens may be drawn);
+* sampled rows with `return_original_logprob` (SGLang's env `SGLANG_RETURN_ORIGINAL_LOGPROB=1`):
+  `log_softmax(logits)[token]`, unscaled, whatever the temperature.
+
+top-p keeps a token when the probability mass *before* it (in descending order) is <= top_p,
+top-k keeps the k most likely, min-p keeps tokens with p >= min_p * p_max; the kept mass is
+sampled proportionally (SGLang's torch fallback does the same).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GREEDY_EPS = 1e-6
+
+
+@dataclass
+class RowSampling:
+    """Sampling parameters of one row of the batch."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    generator: torch.Generator | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+def sample_next(
+    logits: torch.Tensor,
+    rows: list[RowSampling],
+    *,
+    generator: torch.Generator | None = None,
+    return_original_logprob: bool = False,
+) -> tuple[list[int], list[float]]:
+    """Pick one token per row of `logits` [B, V]; return the tokens and their log-probabilities."""
+    if logits.shape[0] != len(rows):
+        raise ValueError(f"{logits.shape[0]} rows of logits but {len(rows)} sampling rows")
+    logits = logits.float()
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = torch.argmax(logits, dim=-1)
+    chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+    sampled = [i for i, row in enumerate(rows) if not row.greedy]
+    if sampled:
+        index = torch.tensor(sampled, device=logits.device)
+        sub_rows = [rows[i] for i in sampled]
+        temps = torch.tensor([r.temperature for r in sub_rows], device=logits.device, dtype=logits.dtype)
+        scaled_logprobs = torch.log_softmax(logits[index] / temps[:, None], dim=-1)
+        sub_tokens = _draw(scaled_logprobs.exp(), sub_rows, generator)
+        source = raw_logprobs[index] if return_original_logprob else scaled_logprobs
+        tokens[index] = sub_tokens
+        chosen[index] = source.gather(1, sub_tokens[:, None])[:, 0]
+    return tokens.tolist(), chosen.tolist()
+
+
+def _draw(probs: torch.Tensor, rows: list[RowSampling], generator: torch.Generator | None) -> torch.Tensor:
+    """Sample one token per row of `probs` after top-k / top-p / min-p truncation."""
+    needs_filter = any(r.top_p < 1.0 or r.top_k > 0 or r.min_p > 0.0 for r in rows)
+    if needs_filter:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        sorted_probs = _truncate(sorted_probs, rows)
+    else:
+        sorted_probs, order = probs, None
+    own = [i for i, r in enumerate(rows) if r.generator is not None]
+    picks = torch.multinomial(sorted_probs, 1, generator=generator)[:, 0]
+    for i in own:  # rows with their own seed draw from their own generator (reproducible per request)
+        picks[i] = torch.multinomial(sorted_probs[i], 1, generator=rows[i].generator)[0]
+    return picks if order is None else order.gather(1, picks[:, None])[:, 0]
+
+
+def _truncate(sorted_probs: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+    device, dtype = sorted_probs.device, sorted_probs.dtype
+    vocab = sorted_probs.shape[-1]
+    top_p = torch.tensor([r.top_p for r in rows], device=device, dtype=dtype)
+    top_k = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in rows], device=device)
+    min_p = torch.tensor([r.min_p for r in rows], device=device, dtype=dtype)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = before > top_p[:, None]
+    drop |= torch.arange(vocab, device=device)[None, :] >= top_k[:, None]
+    drop |= sorted_probs < (sorted_probs[:, :1] * min_p[:, None])
+    drop[:, 0] = False  # the most likely token always survives
+    return sorted_probs.masked_fill(drop, 0.0)

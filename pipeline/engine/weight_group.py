@@ -1,0 +1,92 @@
+"""The weight-broadcast group between the trainer (rank 0) and the inference servers (ranks 1..).
+
+Both sides build the group the same way the RL frameworks that drive SGLang do (SGLang's
+`init_custom_process_group`, also used by verl, AReaL and OpenRLHF): a `tcp://` rendezvous on the
+trainer's address (rank 0 hosts the store), a `PrefixStore` named after the group so several
+groups can share a port, and a process group created beside (not as) the process's default group.
+So a trainer that uses `init_weight_group` can publish to a real SGLang server, and our `hf`
+server accepts a trainer written for SGLang.
+
+Tensors are broadcast from rank 0 one by one, in the order of the `names` list of
+`/update_weights_from_distributed`; every receiver allocates `shapes[i]` of `dtypes[i]`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+
+def init_weight_group(
+    master_address: str,
+    master_port: int,
+    *,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+    timeout_s: float = 600.0,
+) -> Any:
+    """Join (rank 0: host) the broadcast group; blocks until all `world_size` ranks have joined."""
+    import torch.distributed.distributed_c10d as c10d
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(
+        c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore(group_name, store)
+    # The options keyword was renamed across torch versions (pg_options -> backend_options).
+    params = inspect.signature(c10d._new_process_group_helper).parameters
+    options = "backend_options" if "backend_options" in params else "pg_options"
+    helper: Any = c10d._new_process_group_helper  # private API: its annotations differ across torch versions
+    group, _ = helper(
+        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout, **{options: None}
+    )
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def destroy_weight_group(group: Any) -> None:
+    import torch.distributed as dist
+
+    dist.destroy_process_group(group)
+
+
+def broadcast_from_trainer(group: Any, tensors: list[torch.Tensor]) -> None:
+    """Rank 0: send `tensors` in order (they must be contiguous; on the group's device)."""
+    import torch.distributed as dist
+
+    for tensor in tensors:
+        dist.broadcast(tensor.contiguous(), src=0, group=group)
+
+
+def receive_from_trainer(
+    group: Any, dtypes: list[str], shapes: list[list[int]], device: torch.device | str
+) -> list[torch.Tensor]:
+    """Ranks > 0: receive one tensor per (dtype, shape), in order."""
+    import torch.distributed as dist
+
+    received = []
+    for dtype, shape in zip(dtypes, shapes, strict=True):
+        tensor = torch.empty(shape, dtype=parse_dtype(dtype), device=device)
+        dist.broadcast(tensor, src=0, group=group)
+        received.append(tensor)
+    return received
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """`bfloat16` or `torch.bfloat16` -> torch.bfloat16 (the names SGLang's protocol carries)."""
+    short = name.removeprefix("torch.")
+    dtype = getattr(torch, short, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}; use a torch dtype name such as float32 or bfloat16")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (what `/update_weights_from_distributed` expects in `dtypes`)."""
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,123 @@
+"""Loading the `hf` engine's model and swapping its weights in place.
+
+Weights are copied into the existing parameters (`param.copy_`), never by building a second
+model: on a GPU that would need twice the memory, and in place keeps tied parameters tied.
+A new checkpoint is checked first (every name known, every shape equal, every parameter
+covered) and only then applied, so a bad checkpoint is refused with the model untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class WeightError(ValueError):
+    """A checkpoint or a set of named tensors does not fit the served model (the caller's error: 400)."""
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available; use cpu or auto")
+    return torch.device(device)
+
+
+def load_model(model_path: str | Path, *, device: torch.device, dtype: str) -> Any:
+    """The causal LM at `model_path`, in eval mode on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    path = Path(model_path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
+    model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[dtype])
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """End-of-sequence ids: the generation config's (one or a list) plus the tokenizer's."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the `*.safetensors` files of a Hugging Face directory."""
+    from safetensors.torch import load_file
+
+    directory = Path(path)
+    if not directory.is_dir():
+        raise WeightError(f"model_path {str(path)!r} is not a directory")
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise WeightError(f"no *.safetensors files in {directory} (is the checkpoint complete?)")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def check_named_tensors(
+    model: Any, named: dict[str, torch.Tensor] | list[tuple[str, list[int]]], *, require_all: bool
+) -> None:
+    """Refuse unknown names, wrong shapes and (when `require_all`) uncovered parameters."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    items = [(n, list(t.shape)) for n, t in named.items()] if isinstance(named, dict) else named
+    unknown = [n for n, _ in items if n not in params]
+    if unknown:
+        raise WeightError(
+            f"{len(unknown)} names are not parameters of the served model, e.g. {unknown[:5]}; "
+            f"expected names like {list(params)[:3]}"
+        )
+    bad = [(n, s, list(params[n].shape)) for n, s in items if list(s) != list(params[n].shape)]
+    if bad:
+        raise WeightError(f"shape mismatch (name, got, expected): {bad[:5]}")
+    if require_all:
+        covered = {params[n].data_ptr() for n, _ in items}  # tied parameters share storage
+        missing = [n for n, p in params.items() if p.data_ptr() not in covered]
+        if missing:
+            raise WeightError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:5]}")
+
+
+@torch.no_grad()
+def apply_named_tensors(model: Any, named: dict[str, torch.Tensor]) -> int:
+    """Copy tensors into the model's parameters (dtype/device converted); returns how many."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, tensor in named.items():
+        target = params[name]
+        target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+    return len(named)
+
+
+def model_summary(model: Any, model_path: str) -> dict[str, Any]:
+    config = model.config
+    return {
+        "model_type": getattr(config, "model_type", None),
+        "architectures": getattr(config, "architectures", None),
+        "vocab_size": int(config.vocab_size),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "config": json.loads(config.to_json_string()) if hasattr(config, "to_json_string") else None,
+        "model_path": model_path,
+    }
