@@ -15,10 +15,11 @@ from rich.console import Console
 
 from pipeline.errors import ArlError
 from pipeline.handoff import read_json, write_text_atomic
-from pipeline.launch.jobs import JobRecord, add_record, next_attempt
+from pipeline.launch.jobs import JobRecord, add_record, latest, next_attempt, read_jobs
 from pipeline.launch.plan import StagePlan, plan_run, sbatch_script_path
 from pipeline.launch.rundir import prepare_run_dir, refuse_if_running
 from pipeline.launch.sbatch import render_sbatch
+from pipeline.launch.state import record_states
 from pipeline.paths import RunPaths
 from schemas.config import ArlConfig
 
@@ -38,11 +39,14 @@ def launch(
     if executor not in EXECUTORS:
         raise ArlError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
     console = Console()
-    if resume and not dry_run:
-        _refuse_live_run(config_path, overrides)
     config, paths = prepare_run_dir(Path(config_path), overrides, resume=resume, clean=clean)
     workdir = Path(os.getcwd())  # relative paths in the config (model, data) mean the same to every job
     plans = plan_run(config, paths.root)
+    if resume and not dry_run:
+        plans = _skip_live_stages(plans, paths, executor, console)
+        if not plans:
+            console.print("every stage is still running: nothing to relaunch (`arl status` shows them)")
+            return 0
     attempts = {plan.stage: next_attempt(paths, plan.stage) for plan in plans}
     console.print(f"run dir: {paths.root}  (config frozen in {paths.config})")
     if dry_run:
@@ -89,6 +93,7 @@ def write_dry_run(plans: list[StagePlan], config: ArlConfig, paths: RunPaths, at
     scripts = []
     for plan in plans:
         path = sbatch_script_path(paths, plan.stage)
+        paths.stage_logs(plan.stage).mkdir(parents=True, exist_ok=True)  # sbatch does not create --output's dir
         write_text_atomic(path, render_sbatch(plan, config, paths, attempt=attempts[plan.stage], workdir=workdir))
         path.chmod(0o755)
         scripts.append(path)
@@ -112,11 +117,17 @@ def finished_version(paths: RunPaths) -> int:
     return max([published, *paths.complete_checkpoints()])
 
 
-def _refuse_live_run(config_path: str | Path, overrides: list[str]) -> None:
-    """Before touching the run dir: a resume while the old jobs still run would duplicate steps."""
-    from pipeline.config import load_config
+def _skip_live_stages(plans: list[StagePlan], paths: RunPaths, executor: str, console: Console) -> list[StagePlan]:
+    """On resume, relaunch only the stages whose newest attempt has ended (e.g. a cancelled trainer).
 
-    config = load_config(config_path, overrides)
-    root = RunPaths.from_config(config.fileroot, config.experiment_name, config.trial_name).root
-    if root.exists():
-        refuse_if_running(RunPaths(root.resolve()), "--resume")
+    Live Slurm jobs keep running (the servers keep their warm caches); live local processes
+    cannot be adopted by a new supervisor, so a local resume needs them stopped first.
+    """
+    newest = latest(read_jobs(paths))
+    states = record_states(list(newest.values()))
+    live = {stage: r for stage, r in newest.items() if states[(stage, r.attempt)].alive}
+    if live and executor == "local":
+        refuse_if_running(paths, "--resume --executor local")
+    for stage, r in sorted(live.items()):
+        console.print(f"  {stage:<9} still running (job {r.job_id}, attempt {r.attempt}): kept")
+    return [plan for plan in plans if plan.stage not in live]

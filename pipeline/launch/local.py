@@ -23,7 +23,7 @@ from typing import IO, Any
 
 from rich.console import Console
 
-from pipeline.launch.jobs import JobRecord, add_record, update_record
+from pipeline.launch.jobs import JobRecord, add_record, read_jobs, update_record
 from pipeline.launch.plan import StagePlan
 from pipeline.paths import RunPaths
 
@@ -87,6 +87,9 @@ def supervise(running: list[Running], paths: RunPaths, console: Console, *, poll
             if code is None or r.record.exit_code is not None:
                 continue
             _reap(r, paths, code, stopped=False)
+            if r.record.stopped:
+                console.print(f"stage {r.plan.stage} was stopped (`arl stop`): stopping the other stages")
+                return 130
             if code != 0:
                 console.print(f"[red]stage {r.plan.stage} failed ({describe_exit(code)}); see its log: "
                               f"{r.record.log}[/red]")  # fmt: skip
@@ -130,8 +133,10 @@ def describe_exit(code: int) -> str:
 
 
 def _reap(r: Running, paths: RunPaths, code: int, *, stopped: bool) -> None:
+    """Record the exit; `arl stop` may have marked the attempt stopped meanwhile, which is kept."""
+    on_disk = [x for x in read_jobs(paths).get(r.plan.stage, []) if x.attempt == r.record.attempt]
     r.record.exit_code = code
-    r.record.stopped = stopped
+    r.record.stopped = stopped or any(x.stopped for x in on_disk)
     r.record.ended_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     update_record(paths, r.record)
 

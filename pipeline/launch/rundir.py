@@ -79,11 +79,16 @@ def prepare_run_dir(
 
 
 def has_run_data(paths: RunPaths) -> bool:
-    """True when the run dir holds more than a dry run leaves (config.yaml, sbatch/): something to lose."""
+    """True when the run dir holds more than a dry run leaves (config.yaml, sbatch/, empty log dirs)."""
     if not paths.root.exists():
         return False
     dry_run_only = {paths.config.name, "sbatch"}
-    return any(child.name not in dry_run_only for child in paths.root.iterdir())
+    for child in paths.root.iterdir():
+        if child == paths.logs and not any(p.is_file() for p in child.rglob("*")):
+            continue
+        if child.name not in dry_run_only:
+            return True
+    return False
 
 
 def resumed_config(paths: RunPaths, config_path: Path, overrides: list[str]) -> ArlConfig:

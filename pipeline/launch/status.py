@@ -67,13 +67,12 @@ def stop_run(run_dir: str | Path, *, grace_s: float = 10.0, console: Console | N
     if not live:
         console.print(f"nothing to stop: no live jobs recorded for {paths.root}")
         return 0
-    slurm = [r for r in live if r.executor == "slurm"]
-    scancel([r.job_id for r in slurm if r.job_id])
-    local = [r for r in live if r.executor == "local"]
-    _stop_pids(local, grace_s)
-    for r in live:
+    for r in live:  # marked first, so a supervising `arl launch --executor local` sees a stop, not a crash
         r.stopped = True
         update_record(paths, r)
+    scancel([r.job_id for r in live if r.executor == "slurm" and r.job_id])
+    _stop_pids([r for r in live if r.executor == "local"], grace_s)
+    for r in live:
         what = f"job {r.job_id}" if r.executor == "slurm" else f"pid {r.pid}"
         console.print(f"stopped {r.stage} ({what}, attempt {r.attempt})")
     return 0

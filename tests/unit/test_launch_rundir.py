@@ -52,7 +52,11 @@ def test_a_dry_run_leaves_nothing_to_protect(tmp_path: Path) -> None:
     """A dir with only config.yaml and sbatch/ never ran: launching there again needs no flag."""
     _, paths = prepare_run_dir(_config(tmp_path), [], resume=False, clean=False)
     (paths.root / "sbatch").mkdir()
+    paths.stage_logs("train").mkdir(parents=True)  # created so plain sbatch can open its --output
     prepare_run_dir(_config(tmp_path), [], resume=False, clean=False)
+    paths.stage_log("train", 1).touch()  # a plain-sbatch job ran: now there is something to lose
+    with pytest.raises(ArlError, match="already exists"):
+        prepare_run_dir(_config(tmp_path), [], resume=False, clean=False)
 
 
 def test_clean_deletes_the_old_run(tmp_path: Path) -> None:
