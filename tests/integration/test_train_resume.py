@@ -1,0 +1,135 @@
+"""Exact resume after `kill -9`, and `--step N` reruns, with the real CLI in subprocesses
+(`arl stage train`, deterministic CPU training: resumed weights must equal uninterrupted ones bitwise)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline.metrics import read_jsonl
+from pipeline.paths import RunPaths
+from pipeline.trainer import checkpoint as ckpt
+
+OVERRIDES = ["num_steps=4", "trainer.deterministic=true", "trainer.keep_checkpoints=10", "trainer.minibatches=2",
+             "trainer.optimizer.lr=0.003", "trainer.optimizer.schedule=cosine", "trainer.optimizer.warmup_steps=2",
+             "rollout.max_staleness=10", "trainer.wait_timeout_s=30"]  # fmt: skip
+REPO = Path(__file__).resolve().parents[2]
+
+
+def train_cmd(paths: RunPaths, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "pipeline.cli", "stage", "train", "--run-dir", str(paths.root), *extra]
+
+
+def run_train(paths: RunPaths, *extra: str) -> None:
+    proc = subprocess.run(train_cmd(paths, *extra), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def weights(paths: RunPaths, version: int) -> dict[str, torch.Tensor]:
+    return load_file(str(paths.checkpoint_dir(version) / "model.safetensors"))
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def kill_when(paths: RunPaths, condition: str) -> str:
+    """Start training and SIGKILL it at the first sign of `condition`; return what was seen."""
+    proc = subprocess.Popen(train_cmd(paths), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            staging = [p for d in (paths.checkpoints, paths.state / "trainer") if d.exists()
+                       for p in d.iterdir() if p.name.endswith(".tmp")]  # fmt: skip
+            if condition == "staging" and staging:
+                os.kill(proc.pid, signal.SIGKILL)
+                return f"staging {[p.name for p in staging]}"
+            if condition == "after_step_1" and paths.checkpoint_marker(2).exists():
+                os.kill(proc.pid, signal.SIGKILL)
+                return "checkpoint 2 complete"
+            time.sleep(0.002)
+        return "finished before the kill"
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_equals_uninterrupted_and_step_rerun_is_exact(make_train_run) -> None:
+    reference = make_train_run(steps=[0, 1, 2, 3], overrides=OVERRIDES, name="reference")
+    run_train(reference)
+    final = weights(reference, 4)
+
+    for condition in ("after_step_1", "staging"):
+        paths = make_train_run(steps=[], overrides=OVERRIDES, name=f"killed_{condition}")
+        shutil.copytree(reference.trajectories, paths.trajectories)
+        seen = kill_when(paths, condition)
+        assert seen != "finished before the kill", condition
+        assert not paths.checkpoint_marker(4).exists()
+        run_train(paths)  # resume
+        assert_bitwise_equal(weights(paths, 4), final)
+        if condition == "after_step_1":  # it resumed from version 2 rather than starting over
+            assert "starting from version 2" in paths.stage_log("train", 2).read_text()
+            steps = [json.loads(line)["step"] for line in paths.train_metrics.read_text().splitlines()]
+            assert steps.count(0) == 1 and steps.count(1) == 1 and steps[-1] == 3
+        assert not [p for p in paths.checkpoints.iterdir() if p.name.endswith(".tmp")]
+
+    # --step 1 on the finished reference run: version 2 is rewritten, bit for bit the same.
+    version2 = weights(reference, 2)
+    before = (reference.checkpoint_dir(2) / "_COMPLETE").stat().st_mtime_ns
+    run_train(reference, "--step", "1")
+    assert (reference.checkpoint_dir(2) / "_COMPLETE").stat().st_mtime_ns != before
+    assert_bitwise_equal(weights(reference, 2), version2)
+    assert reference.latest.read_text().strip() == "4"  # a rerun never moves LATEST backwards
+    assert [r["step"] for r in read_jsonl(reference.train_metrics)] == [0, 1, 2, 3]
+
+
+def test_resume_point_needs_checkpoint_and_state(tmp_path: Path) -> None:
+    """Leftovers of a kill at every point of the checkpoint sequence resolve to the right version."""
+    paths = RunPaths(tmp_path)
+    for v in (1, 2):
+        staged = ckpt.stage_trainer_state(paths, v)
+        ckpt.publish_state(paths, v, staged, {"next_step": v})
+        ckpt.save_checkpoint(paths, v, {"w": torch.zeros(2)}, _model_dir(tmp_path))
+    assert ckpt.resume_point(paths) == 2
+    # killed after the state of version 3 was published, before its checkpoint
+    ckpt.publish_state(paths, 3, ckpt.stage_trainer_state(paths, 3), {"next_step": 3})
+    # killed while staging checkpoint 3: a temp dir is left
+    (paths.checkpoints / "step_000003.abcd1234.tmp").mkdir()
+    assert ckpt.resume_point(paths) == 2
+    ckpt.clean_partial(paths)
+    assert not (paths.checkpoints / "step_000003.abcd1234.tmp").exists()
+    # a checkpoint whose state is gone is not a resume point either
+    shutil.rmtree(paths.trainer_state_dir(2))
+    assert ckpt.resume_point(paths) == 1
+
+
+def test_rerun_of_a_pruned_version_explains_itself(make_train_run) -> None:
+    from pipeline.errors import ArlError
+    from pipeline.trainer.loop import run_trainer
+
+    paths = make_train_run(steps=[0], overrides=["num_steps=3"])
+    with pytest.raises(ArlError, match="--step 2 needs version 2"):
+        run_trainer(paths.root, step=2)
+    with pytest.raises(ArlError, match="outside the run's steps"):
+        run_trainer(paths.root, step=7)
+
+
+def _model_dir(tmp_path: Path) -> Path:
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text('{"tie_word_embeddings": false}')
+    return model
