@@ -73,7 +73,7 @@ def test_packed_row_equals_samples_alone(tiny_model_dir: Path) -> None:
             out = policy_loss(logp, None, micro.tokens, algo)
             out.loss.backward()
             total += float(out.loss.detach())
-            logps.append((logp.detach() * micro.tokens.mask))
+            logps.append(logp.detach() * micro.tokens.mask)
         return torch.cat(logps), total, [p.grad.clone() for p in model.parameters()]
 
     packed = [build_micro_batch(samples, members, adv, weights)]
