@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
+from pipeline.engine.http_errors import BadRequest, parse_body
 from schemas.engine_api import (
     AbortReq,
     DestroyWeightsUpdateGroupReqInput,
@@ -30,8 +31,6 @@ log = logging.getLogger("arl.engine.hf_admin")
 
 def register_admin_routes(app: Any, server: HFServer) -> None:
     from fastapi.responses import JSONResponse, Response
-
-    from pipeline.engine.hf_server import BadRequest, parse_body
 
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:

@@ -22,17 +22,16 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import Request
-from pydantic import BaseModel, ValidationError
 
 from pipeline.engine.hf_admin import register_admin_routes
+from pipeline.engine.http_errors import BadRequest, error_response, parse_body
 from pipeline.engine.protocol import Limits, RequestError, WorkItem, expand, response, stop_token_ids
 from schemas.engine_api import GenerateReqInput
 
 log = logging.getLogger("arl.engine.hf_server")
-M = TypeVar("M", bound=BaseModel)
 
 
 @dataclass
@@ -51,12 +50,6 @@ class HFServerConfig:
     """Stream deltas instead of SGLang's default cumulative `output_ids` / `text` (its flag of the same name)."""
     seed: int | None = None
     weight_group_timeout_s: float = 600.0
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, *, admin: bool = False) -> None:
-        super().__init__(message)
-        self.admin = admin
 
 
 class HFServer:
@@ -105,29 +98,34 @@ class HFServer:
 
         @app.exception_handler(BadRequest)
         async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
-            return _error_response(str(exc), 400, admin=exc.admin)
+            return error_response(str(exc), 400, admin=exc.admin)
+
+        @app.exception_handler(Exception)
+        async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+            log.exception("unhandled error in a request handler")
+            return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
 
         @app.exception_handler(RequestValidationError)
         async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-            return _error_response(f"invalid request: {exc.errors()}", 400)
+            return error_response(f"invalid request: {exc.errors()}", 400)
 
         @app.get("/health")
         async def health() -> Response:
             if not self.scheduler.alive:
-                return _error_response(f"engine scheduler is not running: {self.scheduler.error}", 503)
+                return error_response(f"engine scheduler is not running: {self.scheduler.error}", 503)
             return Response(status_code=200)
 
         @app.get("/health_generate")
         async def health_generate() -> Response:
             if not self.scheduler.alive:
-                return _error_response(f"engine scheduler is not running: {self.scheduler.error}", 503)
+                return error_response(f"engine scheduler is not running: {self.scheduler.error}", 503)
             if self.scheduler.paused is not None:
                 return Response(status_code=200)  # paused on purpose: generation would wait for /continue
             item = WorkItem(f"health-{time.monotonic_ns()}", [self.pad_token()], _health_params(), 1, False)
             try:
                 await asyncio.wait_for(self._run(item), timeout=20.0)
             except TimeoutError:
-                return _error_response("a 1-token generation did not finish within 20 s", 503)
+                return error_response("a 1-token generation did not finish within 20 s", 503)
             return Response(status_code=200)
 
         @app.post("/generate")
@@ -282,35 +280,6 @@ class HFServer:
         }
 
 
-async def parse_body(request: Any, model: type[M], *, admin: bool = False, allow_empty: bool = False) -> M:
-    """The request body as `model`, or a `BadRequest` naming every problem."""
-    raw = await request.body()
-    if not raw.strip():
-        if allow_empty:
-            return model()
-        raise BadRequest(f"empty body: send a JSON object for {model.__name__}", admin=admin)
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"body is not valid JSON: {exc}", admin=admin) from None
-    if not isinstance(data, dict):
-        raise BadRequest(f"body must be a JSON object, got {type(data).__name__}", admin=admin)
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
-        raise BadRequest(f"invalid {model.__name__}: {problems}", admin=admin) from None
-
-
-def _error_response(message: str, status: int, *, admin: bool = False) -> Any:
-    from fastapi.responses import JSONResponse
-
-    if admin:
-        return JSONResponse({"success": False, "message": message}, status_code=status)
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
-
-
 async def _wait_disconnect(request: Any) -> None:
     """Returns when the client disconnects (the body is already read, so receive() waits for that)."""
     while True:
@@ -384,4 +353,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Import the module proper, so its classes are the ones every other module sees (not `__main__`'s copies).
+    from pipeline.engine.hf_server import main as _main
+
+    raise SystemExit(_main())
