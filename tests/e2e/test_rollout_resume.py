@@ -76,8 +76,9 @@ def _run_dir(tmp_path: Path, model_dir: Path, engine_url: str) -> tuple[Any, Run
 
 
 def _stage(paths: RunPaths, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([ARL, "stage", "rollout", "--run-dir", str(paths.root), *args],
-                            env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    command = [ARL, "stage", "rollout", "--run-dir", str(paths.root), *args]
+    env = {**os.environ, **(env or {})}
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def _finish(process: subprocess.Popen[bytes], timeout: float = 240) -> str:

@@ -99,7 +99,8 @@ def engine_url(tiny_model_dir: Path) -> Iterator[str]:
         yield handle.url
 
 
-def make_run(tmp_path: Path, model_dir: Path, engine_url: str, agent: str, **rollout: Any) -> tuple[ArlConfig, RunPaths]:
+def make_run(tmp_path: Path, model_dir: Path, engine_url: str, agent: str,
+             **rollout: Any) -> tuple[ArlConfig, RunPaths]:  # fmt: skip
     """A run dir with a frozen config, a dataset, the agents file and the engine's registry entry."""
     from pipeline.engine.registry import write_entry
     from schemas.engine_api import InferenceEntry
