@@ -361,18 +361,47 @@ def _load_manifest(step_dir: Path, paths: RunPaths | None) -> Manifest:
 
 
 # -- statistics ---------------------------------------------------------------------------------
+STATS_COLUMNS = ["step", "session_id", "group_id", "loss_mask", "versions", "reward", "finish_reason", "metadata"]
+"""What `step_stats` reads: everything but `input_ids` and `logprobs`, the two large columns."""
+
+
+def per_row_sampled_and_versions(table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per row: length, sampled tokens, min and max weight version over sampled tokens (-1 if none)."""
+    lengths = pc.list_value_length(table.column("loss_mask")).to_numpy(zero_copy_only=False).astype(np.int64)
+    if not table.num_rows:
+        empty = np.zeros(0, dtype=np.int64)
+        return lengths, empty, empty, empty
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    mask = pc.list_flatten(table.column("loss_mask")).to_numpy().astype(np.int64)
+    versions = pc.list_flatten(table.column("versions")).to_numpy().astype(np.int64)
+    nonempty = lengths > 0
+    sampled = np.zeros(len(lengths), dtype=np.int64)
+    vmin = np.full(len(lengths), -1, dtype=np.int64)
+    vmax = np.full(len(lengths), -1, dtype=np.int64)
+    if mask.size:
+        big = np.iinfo(np.int64).max
+        at = starts[nonempty]
+        sampled[nonempty] = np.add.reduceat(mask, at)
+        low = np.minimum.reduceat(np.where(mask == 1, versions, big), at)
+        vmin[nonempty] = np.where(low == big, -1, low)
+        vmax[nonempty] = np.maximum.reduceat(np.where(mask == 1, versions, -1), at)
+    return lengths, sampled, vmin, vmax
+
+
 def step_stats(table: pa.Table, step: int | None = None) -> dict[str, Any]:
-    """Per-step summary (count, reward mean/std, length percentiles, staleness, prefix breaks)."""
+    """Per-step summary: count, reward mean/std, length percentiles, staleness (= step − min version), breaks.
+
+    Needs only `STATS_COLUMNS`, so a caller can skip reading the token ids and log-probs.
+    """
     n = table.num_rows
-    lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
-    sampled = np.array([sum(m) for m in table.column("loss_mask").to_pylist()]) if n else np.zeros(0)
+    lengths, sampled, vmin, _ = per_row_sampled_and_versions(table)
     rewards = table.column("reward").to_numpy()
-    min_versions = np.array([min((v for v in vs if v >= 0), default=-1) for vs in table.column("versions").to_pylist()])
     if step is None and n:
         step = int(pc.max(table.column("step")).as_py())
     breaks = sum(1 for text in table.column("metadata").to_pylist() if json.loads(text).get("prefix_break"))
     reasons = pc.value_counts(table.column("finish_reason")).to_pylist() if n else []
-    stale = (step - min_versions[min_versions >= 0]) if step is not None else np.zeros(0)
+    known = vmin[vmin >= 0]
+    stale = step - known if step is not None else np.zeros(0)
     return {
         "step": step,
         "count": n,
@@ -385,7 +414,7 @@ def step_stats(table: pa.Table, step: int | None = None) -> dict[str, Any]:
         "length_p50": float(np.percentile(lengths, 50)) if n else None,
         "length_p90": float(np.percentile(lengths, 90)) if n else None,
         "length_max": int(lengths.max()) if n else None,
-        "min_version": int(min_versions.min()) if n else None,
+        "min_version": int(known.min()) if known.size else None,
         "staleness_max": int(stale.max()) if stale.size else None,
         "staleness_mean": float(stale.mean()) if stale.size else None,
         "prefix_breaks": breaks,

@@ -1,0 +1,169 @@
+"""`arl inspect` as a subprocess on real shards (tiny tokenizer, session trees, write_step)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pipeline.paths import RunPaths
+from pipeline.shards import write_step
+from pipeline.trajectory import Interaction, SessionTree
+
+REPO = Path(__file__).resolve().parents[2]
+ARL = REPO / ".venv" / "bin" / "arl"
+ANSWER = "The answer is four."
+
+
+def arl(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "NO_COLOR", "COLUMNS")}
+    full_env.update(env or {})
+    return subprocess.run([str(ARL), "inspect", *args], capture_output=True, text=True, timeout=120, env=full_env,
+                          cwd=cwd or REPO)  # fmt: skip
+
+
+def session(tokenizer, sid: str, group: str, reward: float, *, edit: bool = False) -> SessionTree:  # type: ignore[no-untyped-def]
+    """Two turns of a chat, token-exact; `edit` makes the agent rewrite its history (a prefix break)."""
+    messages = [{"role": "user", "content": "What is two plus two?"}]
+    prompt1 = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    p1 = tokenizer.encode(prompt1, add_special_tokens=False)
+    o1 = tokenizer.encode(ANSWER + "<|im_end|>", add_special_tokens=False)
+    suffix = tokenizer.encode("\n<|im_start|>user\nAnd three?<|im_end|>\n<|im_start|>assistant\n",
+                              add_special_tokens=False)  # fmt: skip
+    p2 = ([*p1, *o1] if not edit else tokenizer.encode("edited history", add_special_tokens=False)) + suffix
+    o2 = tokenizer.encode("Five, I think.<|im_end|>", add_special_tokens=False)
+    tree = SessionTree(sid, group, metadata={"index": 3})
+    for iid, prompt, out, parent, version in (("a", p1, o1, None, 0), ("b", p2, o2, "a", 1)):
+        tree.add(Interaction(id=f"{sid}-{iid}", session_id=sid, prompt_ids=prompt, output_ids=out,
+                             output_logprobs=[-0.25] * len(out), output_versions=[version] * len(out),
+                             parent_id=None if parent is None else f"{sid}-{parent}", created_at=1.8e9))  # fmt: skip
+    tree.set_reward(reward)
+    return tree
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> RunPaths:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    paths = RunPaths(tmp_path_factory.mktemp("inspect") / "exp" / "trial")
+    for step in (1, 2):
+        rows = []
+        for i in range(3):
+            tree = session(tokenizer, f"s{step}{i}", f"g{step}", reward=float(i), edit=(step == 2 and i == 0))
+            rows += tree.export("concat", 1.0, step=step)
+        write_step(paths, step, rows, producer="rollout", tokenizer=str(tiny_model_dir), rows_per_part=2)
+    return paths
+
+
+def test_table_on_a_run_dir(run_dir: RunPaths) -> None:
+    result = arl(str(run_dir.root))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "per-step summary" in out and "samples" in out
+    for sid in ("s10", "s12", "s20", "s22"):
+        assert sid in out
+    # Summary rows: step 1 has 3 samples; step 2 has 4 (session s20 is split by its prefix break).
+    assert re.search(r"│\s+1 │\s+3 │\s+3 │", out) and re.search(r"│\s+2 │\s+4 │\s+3 │", out), out
+
+
+def test_decode_marks_sampled_tokens(run_dir: RunPaths) -> None:
+    plain = arl(str(run_dir.step_dir(1)), "--decode")
+    assert plain.returncode == 0, plain.stderr
+    # Not a terminal: no colour, so sampled text is bracketed; prompt text is shown as is.
+    assert f"«{ANSWER}<|im_end|>»" in plain.stdout and "«Five, I think.<|im_end|>»" in plain.stdout
+    assert "What is two plus two?" in plain.stdout and "«What" not in plain.stdout
+    colour = arl(str(run_dir.step_dir(1)), "--decode", env={"FORCE_COLOR": "1", "COLUMNS": "200"})
+    assert colour.returncode == 0, colour.stderr
+    assert "\x1b[1;32m" in colour.stdout and "«" not in colour.stdout
+    assert "\x1b[2m" in colour.stdout  # prompt tokens dim
+
+
+def test_json_on_a_part_file_and_a_step_filter(run_dir: RunPaths) -> None:
+    part = run_dir.step_dir(2) / "part-rollout-00000.parquet"
+    result = arl(str(part), "--format", "json", "--decode")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert [s["sample_id"] for s in data["samples"]] == ["s20-a", "s20-b"]  # the break splits session s20
+    assert data["samples"][1]["metadata"]["prefix_break"] is True
+    segments = data["samples"][0]["segments"]
+    assert [seg["sampled"] for seg in segments] == [False, True]
+    assert segments[1]["text"] == ANSWER + "<|im_end|>" and segments[1]["version"] == 0
+    (summary,) = data["steps"]
+    assert summary["step"] == 2 and summary["count"] == 2 and summary["prefix_breaks"] == 1
+
+    run = arl(str(run_dir.root), "--format", "json", "--step", "1")
+    data = json.loads(run.stdout)
+    assert [s["step"] for s in data["steps"]] == [1]
+    (summary,) = data["steps"]
+    assert summary["count"] == 3 and summary["reward_mean"] == pytest.approx(1.0)
+    assert summary["staleness_max"] == 1 and summary["min_version"] == 0
+    assert [s["num_turns"] for s in data["samples"]] == [2, 2, 2]
+    assert all("segments" not in s for s in data["samples"])
+
+
+def test_limit_keeps_summaries_whole(run_dir: RunPaths) -> None:
+    data = json.loads(arl(str(run_dir.root), "--format", "json", "--limit", "2").stdout)
+    assert len(data["samples"]) == 2 and [s["count"] for s in data["steps"]] == [3, 4]
+    assert any("showing 2 of 7" in note for note in data["notes"])
+
+
+def test_html_is_one_self_contained_page(run_dir: RunPaths, tmp_path: Path) -> None:
+    target = tmp_path / "out" / "page.html"
+    result = arl(str(run_dir.root), "--format", "html", "--decode", "-o", str(target))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(target)
+    page = target.read_text()
+    assert "<span class='sampled'" in page and "<span class='prompt'" in page and "<style>" in page
+    assert "The answer is four." in page and "&lt;|im_end|&gt;" in page
+    for external in ("<link", "<script", "src=", "http://", "https://"):
+        assert external not in page
+    default = arl(str(run_dir.step_dir(1)), "--format", "html", cwd=tmp_path)
+    assert default.returncode == 0 and Path(default.stdout.strip()).exists()
+
+
+def test_missing_tokenizer_falls_back_to_ids(tmp_path: Path, run_dir: RunPaths) -> None:
+    from pipeline.shards import read_step
+
+    paths = RunPaths(tmp_path / "run")
+    table = read_step(run_dir, 1).to_pylist()
+    write_step(paths, 1, table, producer="rollout", tokenizer="/nonexistent/tokenizer")
+    result = arl(str(paths.root), "--decode")
+    assert result.returncode == 0, result.stderr
+    assert "tokenizer /nonexistent/tokenizer not found" in result.stdout.replace("\n", "")
+
+
+@pytest.mark.parametrize("case", ["missing", "not-shards", "corrupt-part", "junk-parquet", "incomplete-step"])
+def test_bad_input_is_one_line_and_exit_2(case: str, tmp_path: Path, run_dir: RunPaths) -> None:
+    if case == "missing":
+        target = tmp_path / "nope"
+    elif case == "not-shards":
+        target = tmp_path / "empty"
+        target.mkdir()
+    elif case == "corrupt-part":
+        step_dir = tmp_path / "step_000001"
+        step_dir.mkdir()
+        for f in run_dir.step_dir(1).iterdir():
+            (step_dir / f.name).write_bytes(f.read_bytes())
+        victim = step_dir / "part-rollout-00001.parquet"
+        data = bytearray(victim.read_bytes())
+        data[100] ^= 0x55
+        victim.write_bytes(bytes(data))
+        target = step_dir
+    elif case == "junk-parquet":
+        target = tmp_path / "junk.parquet"
+        target.write_bytes(b"this is not parquet at all")
+    else:
+        target = tmp_path / "trajectories" / "step_000005"
+        target.mkdir(parents=True)
+    result = arl(str(target))
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    if case == "corrupt-part":
+        assert "part-rollout-00001.parquet: sha256" in lines[0]
