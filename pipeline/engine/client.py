@@ -23,15 +23,39 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+
+from pipeline.engine.wire import (
+    EngineError,
+    GenerateChunk,
+    GenerateResult,
+    Retryable,
+    StreamState,
+    check_single,
+    chunk_from,
+    json_or_text,
+    parse_finish_reason,
+    parse_weight_version,
+    raise_for_status,
+    result_from,
+    sse_payloads,
+)
+
+__all__ = [
+    "EngineClient",
+    "EngineError",
+    "GenerateChunk",
+    "GenerateResult",
+    "parse_finish_reason",
+    "parse_weight_version",
+]
 
 log = logging.getLogger("arl.engine.client")
 
@@ -44,90 +68,11 @@ _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, ConnectionError)
 
 
 @dataclass
-class GenerateResult:
-    """One finished completion."""
-
-    output_ids: list[int]
-    output_logprobs: list[float]
-    finish_reason: str  # "stop" | "length" | "abort"
-    matched: int | str | None  # stop token id or stop string that ended generation
-    weight_version: int
-    prompt_tokens: int
-    completion_tokens: int
-    server: str
-
-
-@dataclass
-class GenerateChunk:
-    """One streamed increment: the tokens (and their logprobs) new since the previous chunk."""
-
-    new_ids: list[int]
-    new_logprobs: list[float]
-    finish_reason: str | None
-    matched: int | str | None
-    weight_version: int | None
-
-
-class EngineError(Exception):
-    """An inference server (or all of them) failed a request.
-
-    `status` is the HTTP status (None for connection errors and timeouts); `server` the URL, or a
-    comma-separated list when an admin call failed on several servers.
-    """
-
-    def __init__(self, message: str, *, status: int | None = None, server: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.server = server
-
-
-@dataclass
 class _Server:
     url: str
     inflight: int = 0
     healthy: bool = True
     last_error: str | None = None
-
-
-@dataclass
-class _StreamState:
-    """What a stream has delivered so far, to turn cumulative chunks into increments."""
-
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-
-
-def parse_weight_version(value: Any) -> int:
-    """SGLang reports `weight_version` as a string ("default" before any update): map it to an int.
-
-    arl always sets it to the decimal version number; "default" (a real SGLang server started
-    without `--weight-version`) means the initial weights, version 0.
-    """
-    if value is None or value == "default":
-        return 0
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise EngineError(
-            f"server reported a non-integer weight_version {value!r}; arl versions are integers "
-            "(start SGLang with --weight-version 0)"
-        ) from None
-
-
-def parse_finish_reason(meta: dict[str, Any]) -> tuple[str | None, int | str | None]:
-    """(type, matched) from SGLang's `meta_info.finish_reason` (None while a stream is unfinished)."""
-    reason = meta.get("finish_reason")
-    if reason is None:
-        return None, None
-    if isinstance(reason, str):  # some servers send a bare string
-        return reason, None
-    kind = str(reason.get("type", "stop"))
-    return kind, reason.get("matched")
-
-
-def _logprob_values(meta: dict[str, Any]) -> list[float]:
-    entries = meta.get("output_token_logprobs") or []
-    return [float(entry[0]) if entry[0] is not None else float("nan") for entry in entries]
 
 
 class EngineClient:
@@ -193,7 +138,7 @@ class EngineClient:
         self, input_ids: list[int], sampling_params: dict[str, Any], *, sticky_key: str | None = None
     ) -> GenerateResult:
         """Generate one completion; fails over to another server on connection errors."""
-        _check_single(sampling_params)
+        check_single(sampling_params)
         body = self._body(input_ids, sampling_params, stream=False)
         tried: list[str] = []
         while True:
@@ -201,7 +146,7 @@ class EngineClient:
             tried.append(server.url)
             try:
                 data = await self._tracked(server, body["rid"], self._post_generate(server.url, body))
-            except _Retryable as exc:
+            except Retryable as exc:
                 self._mark_down(server, str(exc))
                 if sticky_key is not None:
                     self._sticky.pop(sticky_key, None)
@@ -211,7 +156,7 @@ class EngineClient:
                     ) from exc
                 log.warning("server %s failed (%s); retrying on another server", server.url, exc)
                 continue
-            return _result_from(data, server.url)
+            return result_from(data, server.url)
 
     async def generate_stream(
         self, input_ids: list[int], sampling_params: dict[str, Any], *, sticky_key: str | None = None
@@ -221,19 +166,19 @@ class EngineClient:
         Fails over only before the first chunk arrived: after that, tokens have reached the caller
         and a restart elsewhere would produce a different continuation.
         """
-        _check_single(sampling_params)
+        check_single(sampling_params)
         body = self._body(input_ids, sampling_params, stream=True)
         tried: list[str] = []
         while True:
             server = self._pick(sticky_key, exclude=tried)
             tried.append(server.url)
-            state = _StreamState()
+            state = StreamState()
             inner = self._stream_from(server, body, state)
             try:
                 async for chunk in inner:
                     yield chunk
                 return
-            except _Retryable as exc:
+            except Retryable as exc:
                 self._mark_down(server, str(exc))
                 if sticky_key is not None:
                     self._sticky.pop(sticky_key, None)
@@ -248,7 +193,7 @@ class EngineClient:
                 await inner.aclose()
 
     async def _stream_from(
-        self, server: _Server, body: dict[str, Any], state: _StreamState
+        self, server: _Server, body: dict[str, Any], state: StreamState
     ) -> AsyncGenerator[GenerateChunk, None]:
         rid = body["rid"]
         server.inflight += 1
@@ -257,13 +202,13 @@ class EngineClient:
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
         try:
             async with self._http().post(f"{server.url}/generate", json=body, timeout=timeout) as resp:
-                await _raise_for_status(resp, server.url)
-                async for payload in _sse_payloads(resp):
-                    chunk = _chunk_from(payload, state)
+                await raise_for_status(resp, server.url)
+                async for payload in sse_payloads(resp):
+                    chunk = chunk_from(payload, state)
                     if chunk is not None:
                         yield chunk
         except _CONNECTION_ERRORS as exc:
-            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+            raise Retryable(f"{type(exc).__name__}: {exc}") from exc
         except TimeoutError:
             self._abort_later(server.url, rid)
             raise EngineError(
@@ -308,10 +253,10 @@ class EngineClient:
     async def _post_generate(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
             async with self._http().post(f"{url}/generate", json=body) as resp:
-                await _raise_for_status(resp, url)
+                await raise_for_status(resp, url)
                 data = await resp.json(content_type=None)
         except _CONNECTION_ERRORS as exc:
-            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+            raise Retryable(f"{type(exc).__name__}: {exc}") from exc
         if isinstance(data, list):  # a server that answers a single prompt as a batch of one
             data = data[0]
         if not isinstance(data, dict):
@@ -511,13 +456,13 @@ class EngineClient:
         try:
             async with asyncio.timeout(_ADMIN_TIMEOUT_S):
                 async with self._http().request(method, f"{url}{path}", json=body) as resp:
-                    await _raise_for_status(resp, url)
+                    await raise_for_status(resp, url)
                     text = await resp.text()
         except _CONNECTION_ERRORS as exc:
             raise EngineError(f"{url}{path}: {type(exc).__name__}: {exc}", server=url) from exc
         except TimeoutError:
             raise EngineError(f"{url}{path} timed out after {_ADMIN_TIMEOUT_S}s", server=url) from None
-        data = _json_or_text(text)
+        data = json_or_text(text)
         if isinstance(data, dict) and data.get("success") is False:
             raise EngineError(f"{url}{path}: {data.get('message', data)}", status=resp.status, server=url)
         return data if isinstance(data, dict) else {"result": data}
@@ -541,104 +486,3 @@ class EngineClient:
         if self._session is None:
             raise RuntimeError("EngineClient used before start(): `await client.start()` or `async with client`")
         return self._session
-
-
-class _Retryable(Exception):
-    """A connection-level failure: the request may go to another server."""
-
-
-def _check_single(sampling_params: dict[str, Any]) -> None:
-    n = sampling_params.get("n", 1)
-    if n != 1:
-        raise ValueError(
-            f"sampling_params.n={n!r}: EngineClient.generate returns one completion; "
-            "issue n concurrent calls with the same sticky_key instead"
-        )
-
-
-def _json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text) if text else {}
-    except json.JSONDecodeError:
-        return text
-
-
-async def _raise_for_status(resp: aiohttp.ClientResponse, url: str) -> None:
-    if resp.status < 400:
-        return
-    text = await resp.text()
-    data = _json_or_text(text)
-    message: Any = data
-    if isinstance(data, dict):
-        err = data.get("error", data)
-        message = err.get("message", err) if isinstance(err, dict) else err
-    if resp.status == 503:  # paused or starting: another server may serve it
-        raise _Retryable(f"{url} answered 503: {message}")
-    raise EngineError(f"{url} answered {resp.status}: {message}", status=resp.status, server=url)
-
-
-async def _sse_payloads(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
-    """The JSON objects of an SSE stream (`data: {...}` lines, ending at `data: [DONE]`)."""
-    async for raw in resp.content:
-        line = raw.decode().strip()
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        payload = json.loads(data)
-        if isinstance(payload, dict) and "error" in payload and "meta_info" not in payload:
-            err = payload["error"]
-            message = err.get("message", err) if isinstance(err, dict) else err
-            raise EngineError(f"{resp.url} failed mid-stream: {message}", server=str(resp.url))
-        yield payload
-
-
-def _result_from(data: dict[str, Any], url: str) -> GenerateResult:
-    meta = data.get("meta_info") or {}
-    ids = [int(t) for t in data.get("output_ids") or []]
-    logprobs = _logprob_values(meta)
-    reason, matched = parse_finish_reason(meta)
-    if len(logprobs) != len(ids):
-        raise EngineError(f"{url} returned {len(ids)} output ids but {len(logprobs)} logprobs", server=url)
-    return GenerateResult(
-        output_ids=ids,
-        output_logprobs=logprobs,
-        finish_reason=reason or "stop",
-        matched=matched,
-        weight_version=parse_weight_version(meta.get("weight_version")),
-        prompt_tokens=int(meta.get("prompt_tokens", 0)),
-        completion_tokens=int(meta.get("completion_tokens", len(ids))),
-        server=url,
-    )
-
-
-def _chunk_from(payload: dict[str, Any], state: _StreamState) -> GenerateChunk | None:
-    """Turn one SSE payload into an increment.
-
-    SGLang streams *cumulative* `output_ids` / `output_token_logprobs` by default and deltas with
-    `--incremental-streaming-output`; `meta_info.completion_tokens` is cumulative in both, which
-    tells the two apart.
-    """
-    meta = payload.get("meta_info") or {}
-    ids = [int(t) for t in payload.get("output_ids") or []]
-    logprobs = _logprob_values(meta)
-    total = int(meta.get("completion_tokens", len(state.ids) + len(ids)))
-    if len(ids) == total and len(state.ids) <= total:  # cumulative
-        new_ids = ids[len(state.ids) :]
-    else:
-        new_ids = ids
-    new_lps = logprobs[len(state.logprobs) :] if len(logprobs) == total else logprobs
-    state.ids.extend(new_ids)
-    state.logprobs.extend(new_lps)
-    reason, matched = parse_finish_reason(meta)
-    if not new_ids and reason is None:
-        return None
-    version = meta.get("weight_version")
-    return GenerateChunk(
-        new_ids=new_ids,
-        new_logprobs=new_lps,
-        finish_reason=reason,
-        matched=matched,
-        weight_version=parse_weight_version(version) if version is not None else None,
-    )

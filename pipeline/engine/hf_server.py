@@ -79,6 +79,7 @@ class HFServer:
             seed=config.seed,
         )
         self.weight_groups: dict[str, Any] = {}
+        self.requests_total = 0
         self.started_at = time.time()
         self.app = self._build_app()
 
@@ -130,6 +131,7 @@ class HFServer:
 
         @app.post("/generate")
         async def generate(request: Request) -> Any:
+            self.requests_total += 1
             body = await parse_body(request, GenerateReqInput)
             try:
                 items = expand(body, self.limits, self.tokenizer)
@@ -277,6 +279,8 @@ class HFServer:
             "return_original_logprob": self.scheduler.return_original_logprob,
             "incremental_streaming_output": self.config.incremental_streaming_output,
             "started_at": self.started_at,
+            "num_requests": self.requests_total,
+            **self.scheduler.load(),
         }
 
 
