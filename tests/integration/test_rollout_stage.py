@@ -81,6 +81,11 @@ class AnthropicWorkflow:
         return {}
 
 
+class AlwaysFails:
+    async def run(self, data, **kwargs):
+        raise KeyError("no such field in " + str(sorted(data)))
+
+
 class SlowAgent:
     async def run(self, data, **kwargs):
         client = AsyncOpenAI(base_url=kwargs["base_url"], api_key=kwargs["api_key"])
@@ -241,3 +246,15 @@ async def test_staleness_timeout_names_the_trainer_and_its_log(tmp_path: Path, t
     with pytest.raises(WaitTimeout, match=r"weight_version\.json.*train stage.*logs/train/attempt_1\.log"):
         await run_rollout(config, paths)
     assert paths.complete_steps() == [0]
+
+
+async def test_error_rate_past_the_limit_fails_loudly(tmp_path: Path, tiny_model_dir: Path, engine_url: str) -> None:
+    from pipeline.rollout.loop import AgentErrorRate, run_rollout
+
+    config, paths = make_run(tmp_path, tiny_model_dir, engine_url, "AlwaysFails", max_error_rate=0.5)
+    with pytest.raises(AgentErrorRate) as info:
+        await run_rollout(config, paths)
+    message = str(info.value)
+    assert "step 0: 4 of 4 agent runs failed" in message and "error rate 1.00" in message
+    assert "KeyError" in message and "no such field" in message, "the last traceback is in the error"
+    assert paths.complete_steps() == [], "a failed step is not published"
