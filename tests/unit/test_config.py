@@ -1,0 +1,100 @@
+"""Config loading: shipped examples parse, overrides apply, mistakes name the key and the choices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import config_from_run_dir, dump_config, load_config, validate_config
+from pipeline.errors import ConfigError
+from pipeline.paths import RunPaths
+from schemas.config import ArlConfig
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted({*REPO.glob("examples/**/*.yaml"), *REPO.glob("examples/**/*.yml")})
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[str(p.relative_to(REPO)) for p in EXAMPLES])
+def test_every_shipped_example_parses(path: Path) -> None:
+    config = load_config(path)
+    assert isinstance(config, ArlConfig)
+    # A round trip through the frozen form keeps every value.
+    assert validate_config(yaml.safe_load(dump_config(config))) == config
+
+
+def test_the_examples_glob_sees_the_tree() -> None:
+    """Guard the glob itself: if examples/ holds configs, the parametrised test above must see them."""
+    on_disk = [p for p in (REPO / "examples").rglob("*") if p.suffix in (".yaml", ".yml")]
+    assert sorted(on_disk) == EXAMPLES
+
+
+def test_defaults_and_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("experiment_name: exp\ntrainer:\n  optimizer:\n    lr: 0.001\n")
+    config = load_config(path, ["trainer.optimizer.lr=2e-6", "rollout.group_size=8", "model.path=/m:x",
+                                "inference.extra_args=[--a, --b]", "proxy.admin_key=null"])  # fmt: skip
+    assert config.experiment_name == "exp"
+    assert config.trainer.optimizer.lr == pytest.approx(2e-6)
+    assert config.rollout.group_size == 8
+    assert config.model.path == "/m:x"
+    assert config.inference.extra_args == ["--a", "--b"]
+    assert config.proxy.admin_key is None
+    assert config.trainer.backend == "torch"  # untouched defaults stay
+
+
+def test_unknown_override_key_names_the_key_and_the_valid_keys() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["trainer.optimzer.lr=1"])
+    message = str(info.value)
+    assert "'trainer.optimzer'" in message and "did you mean 'optimizer'" in message
+    assert "algorithm" in message and "weight_sync" in message
+
+
+def test_unknown_yaml_key_names_the_key_and_the_valid_keys(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  group_sise: 4\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "rollout.group_sise" in message and "did you mean 'group_size'" in message
+    assert str(path) in message and "batch_size" in message
+
+
+def test_wrong_literal_names_the_choices() -> None:
+    with pytest.raises(ConfigError, match=r"trainer\.backend.*'torch' or 'megatron'.*got 'jax'"):
+        load_config(None, ["trainer.backend=jax"])
+    with pytest.raises(ConfigError, match=r"rollout\.export_style.*'individual' or 'concat'"):
+        validate_config({"rollout": {"export_style": "flat"}})
+
+
+def test_bad_values_and_bad_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.group_size"):
+        load_config(None, ["rollout.group_size=0"])
+    with pytest.raises(ConfigError, match=r"key\.sub=value"):
+        load_config(None, ["rollout.group_size"])
+    with pytest.raises(ConfigError, match="has no sub-keys"):
+        load_config(None, ["num_steps.x=1"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(bad)
+
+
+def test_dump_load_round_trip_through_a_run_dir(tmp_path: Path) -> None:
+    overrides = ["experiment_name=rt", "trainer.algorithm.clip_eps_high=0.28", "trainer.optimizer.betas=[0.9, 0.95]",
+                 "cluster.train.extra_sbatch=[--x=1]"]  # fmt: skip
+    config = load_config(None, overrides)
+    paths = RunPaths(tmp_path / "run")
+    paths.root.mkdir()
+    paths.config.write_text(dump_config(config))
+    assert config_from_run_dir(paths.root) == config
+    assert config_from_run_dir(paths.root).trainer.optimizer.betas == (0.9, 0.95)
+    with pytest.raises(ConfigError, match="arl launch"):
+        config_from_run_dir(tmp_path / "not-a-run")
