@@ -1,0 +1,87 @@
+"""Next-token sampling semantics (SGLang's): which tokens may be drawn, and which logprob is reported."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.engine.sampling import RowSampling, sample_next
+
+
+def logits_batch(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_rows_take_the_argmax_with_the_unscaled_logprob():
+    logits = logits_batch()
+    tokens, logprobs = sample_next(logits, [RowSampling(temperature=0.0)] * 4)
+    assert tokens == logits.argmax(-1).tolist()
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-6)
+
+
+def test_sampled_rows_report_the_temperature_scaled_logprob_by_default():
+    logits = logits_batch()
+    rows = [RowSampling(temperature=t) for t in (0.5, 1.0, 2.0, 3.0)]
+    tokens, logprobs = sample_next(logits, rows, generator=torch.Generator().manual_seed(1))
+    for i, (token, logprob) in enumerate(zip(tokens, logprobs, strict=True)):
+        scaled = torch.log_softmax(logits[i] / rows[i].temperature, -1)[token].item()
+        assert abs(logprob - scaled) < 1e-5
+
+
+def test_original_logprob_mode_reports_unscaled():
+    logits = logits_batch()
+    rows = [RowSampling(temperature=2.0)] * 4
+    tokens, logprobs = sample_next(
+        logits, rows, generator=torch.Generator().manual_seed(1), return_original_logprob=True
+    )
+    raw = torch.log_softmax(logits, -1)
+    assert all(abs(lp - raw[i, t].item()) < 1e-5 for i, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)))
+
+
+def test_top_k_one_and_tiny_top_p_always_pick_the_most_likely_token():
+    logits = logits_batch(rows=2)
+    for rows in ([RowSampling(top_k=1)] * 2, [RowSampling(top_p=1e-6)] * 2, [RowSampling(min_p=1.0)] * 2):
+        for seed in range(20):
+            tokens, _ = sample_next(logits, rows, generator=torch.Generator().manual_seed(seed))
+            assert tokens == logits.argmax(-1).tolist()
+
+
+def test_top_k_restricts_draws_to_the_k_most_likely():
+    logits = logits_batch(rows=1, vocab=30)
+    allowed = set(logits[0].topk(3).indices.tolist())
+    seen = set()
+    for seed in range(200):
+        tokens, logprobs = sample_next(
+            logits, [RowSampling(temperature=5.0, top_k=3)], generator=torch.Generator().manual_seed(seed)
+        )
+        seen.add(tokens[0])
+        # the logprob is still of the full (scaled) distribution, before truncation
+        assert abs(logprobs[0] - torch.log_softmax(logits[0] / 5.0, -1)[tokens[0]].item()) < 1e-5
+    assert seen == allowed
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    seen = {
+        sample_next(logits, [RowSampling(top_p=0.7)], generator=torch.Generator().manual_seed(s))[0][0]
+        for s in range(200)
+    }
+    assert seen == {0, 1}  # mass before token 2 is 0.8 > 0.7
+
+
+def test_per_request_generator_makes_a_row_reproducible_whatever_its_neighbours():
+    logits = logits_batch(rows=3)
+
+    def draw(seed_other: int) -> int:
+        rows = [RowSampling(), RowSampling(generator=torch.Generator().manual_seed(42)), RowSampling()]
+        return sample_next(logits, rows, generator=torch.Generator().manual_seed(seed_other))[0][1]
+
+    assert len({draw(s) for s in range(10)}) == 1
+
+
+def test_mixed_greedy_and_sampled_rows():
+    logits = logits_batch()
+    rows = [RowSampling(temperature=0.0), RowSampling(temperature=1.0), RowSampling(temperature=0.0), RowSampling()]
+    tokens, logprobs = sample_next(logits, rows, generator=torch.Generator().manual_seed(3))
+    assert tokens[0] == logits[0].argmax().item() and tokens[2] == logits[2].argmax().item()
+    assert all(lp <= 0 for lp in logprobs)
