@@ -106,10 +106,14 @@ def groups() -> dict[str, Any]:
 
 
 def destroy() -> None:
+    """Tear down megatron's groups, the default group and the CUDA shim (a later `init` starts afresh)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
+
+    from pipeline.trainer.megatron import cuda_shim
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    cuda_shim.remove()
