@@ -20,10 +20,11 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+from pydantic import ValidationError
 
 from pipeline.errors import ArlError
 from pipeline.paths import MANIFEST, RunPaths, parse_step_name
-from pipeline.shards import per_row_sampled_and_versions, read_part, read_step_dir, step_stats
+from pipeline.shards import per_row_sampled_and_versions, read_part, read_step_dir, row_metadata, step_stats
 from schemas.manifest import Manifest
 from schemas.trajectory import META_TOKENIZER, SCHEMA
 
@@ -99,7 +100,10 @@ def _part_view(path: Path, step: int | None) -> StepView:
     expected = None
     manifest_path = path.parent / MANIFEST
     if manifest_path.exists():  # inside a published step: verify against its checksum too
-        manifest = Manifest.model_validate_json(manifest_path.read_bytes())
+        try:
+            manifest = Manifest.model_validate_json(manifest_path.read_bytes())
+        except ValidationError as exc:
+            raise InspectError(f"{manifest_path}: not a valid step manifest ({exc.error_count()} errors)") from None
         expected = next((p.sha256 for p in manifest.parts if p.file == path.name), None)
     table = read_part(path, expected_sha256=expected)
     steps = sorted(set(table.column("step").to_pylist()))
@@ -156,7 +160,7 @@ def collect_samples(views: list[StepView], *, decode: bool, limit: int) -> tuple
                 "tokens": int(lengths[i]), "sampled_tokens": int(sampled[i]), "prompt_len": row["prompt_len"],
                 "reward": row["reward"], "finish_reason": row["finish_reason"],
                 "min_version": int(vmin[i]), "max_version": int(vmax[i]),
-                "metadata": json.loads(row["metadata"]),
+                "metadata": row_metadata(row["metadata"], i),
             }  # fmt: skip
             if decode and has_tokens:
                 decoder = decoders.setdefault(view.tokenizer, Decoder(view.tokenizer))

@@ -388,6 +388,17 @@ def per_row_sampled_and_versions(table: pa.Table) -> tuple[np.ndarray, np.ndarra
     return lengths, sampled, vmin, vmax
 
 
+def row_metadata(text: str, row: int) -> dict[str, Any]:
+    """A row's `metadata` JSON object; SchemaError naming the row if a foreign writer broke it."""
+    try:
+        meta = json.loads(text)
+    except (TypeError, json.JSONDecodeError) as exc:
+        raise SchemaError(f"row {row}: metadata is not JSON ({exc}): {str(text)[:80]!r}") from None
+    if not isinstance(meta, dict):
+        raise SchemaError(f"row {row}: metadata must be a JSON object, got {str(text)[:80]!r}")
+    return meta
+
+
 def step_stats(table: pa.Table, step: int | None = None) -> dict[str, Any]:
     """Per-step summary: count, reward mean/std, length percentiles, staleness (= step − min version), breaks.
 
@@ -398,7 +409,8 @@ def step_stats(table: pa.Table, step: int | None = None) -> dict[str, Any]:
     rewards = table.column("reward").to_numpy()
     if step is None and n:
         step = int(pc.max(table.column("step")).as_py())
-    breaks = sum(1 for text in table.column("metadata").to_pylist() if json.loads(text).get("prefix_break"))
+    metas = table.column("metadata").to_pylist()
+    breaks = sum(1 for i, text in enumerate(metas) if row_metadata(text, i).get("prefix_break"))
     reasons = pc.value_counts(table.column("finish_reason")).to_pylist() if n else []
     known = vmin[vmin >= 0]
     stale = step - known if step is not None else np.zeros(0)

@@ -137,7 +137,9 @@ def test_missing_tokenizer_falls_back_to_ids(tmp_path: Path, run_dir: RunPaths) 
     assert "tokenizer /nonexistent/tokenizer not found" in result.stdout.replace("\n", "")
 
 
-@pytest.mark.parametrize("case", ["missing", "not-shards", "corrupt-part", "junk-parquet", "incomplete-step"])
+@pytest.mark.parametrize(
+    "case", ["missing", "not-shards", "corrupt-part", "junk-parquet", "incomplete-step", "bad-manifest", "other-file"]
+)
 def test_bad_input_is_one_line_and_exit_2(case: str, tmp_path: Path, run_dir: RunPaths) -> None:
     if case == "missing":
         target = tmp_path / "nope"
@@ -154,6 +156,16 @@ def test_bad_input_is_one_line_and_exit_2(case: str, tmp_path: Path, run_dir: Ru
         data[100] ^= 0x55
         victim.write_bytes(bytes(data))
         target = step_dir
+    elif case == "bad-manifest":
+        step_dir = tmp_path / "step_000001"
+        step_dir.mkdir()
+        (step_dir / "part-rollout-00000.parquet").write_bytes(
+            (run_dir.step_dir(1) / "part-rollout-00000.parquet").read_bytes())
+        (step_dir / "_MANIFEST.json").write_text("{not json")
+        target = step_dir / "part-rollout-00000.parquet"
+    elif case == "other-file":
+        target = tmp_path / "notes.txt"
+        target.write_text("hello")
     elif case == "junk-parquet":
         target = tmp_path / "junk.parquet"
         target.write_bytes(b"this is not parquet at all")

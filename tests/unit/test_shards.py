@@ -237,6 +237,19 @@ def test_step_stats(paths: RunPaths) -> None:
     assert stats["prefix_breaks"] == 1 and stats["finish_reasons"] == {"length": 2, "stop": 6}
 
 
+def test_stats_over_multi_turn_rows_with_mixed_versions(paths: RunPaths) -> None:
+    rows = make_rows(2, step=6)
+    rows[0].update(input_ids=[1, 2, 3, 4, 5, 6], loss_mask=[0, 1, 1, 0, 1, 1], prompt_len=1, num_turns=2,
+                   logprobs=[0.0, -0.1, -0.2, 0.0, -0.3, -0.4], versions=[-1, 3, 3, -1, 5, 5])  # fmt: skip
+    manifest = write_step(paths, 6, rows, producer="rollout", tokenizer="t")
+    assert manifest.weight_versions is not None
+    assert (manifest.weight_versions.min, manifest.weight_versions.max) == (3, 5)
+    stats = step_stats(read_step(paths, 6))
+    assert stats["min_version"] == 3 and stats["staleness_max"] == 3
+    assert stats["staleness_mean"] == pytest.approx((3 + 1) / 2)
+    assert stats["sampled_tokens"] == 4 + 4 and stats["tokens"] == 6 + 10
+
+
 _WRITER = textwrap.dedent(
     """
     import sys
