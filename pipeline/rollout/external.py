@@ -33,7 +33,7 @@ from typing import Any
 
 from pipeline.paths import RunPaths
 from pipeline.rollout.metrics import StepTally
-from pipeline.rollout.proxy_api import RUN_STATUS_HEADER, ProxyAPI, ProxyAPIError
+from pipeline.rollout.proxy_api import RUN_STATUS_HEADER, ProxyAPI
 from pipeline.rollout.staleness import published_version
 from schemas.config import ArlConfig
 
@@ -199,13 +199,12 @@ async def admit(admin: ProxyAPI, admission: Admission, ledger: SessionLedger, pa
 async def collect_one(admin: ProxyAPI, finished: Finished, config: ArlConfig, step: int,
                       tally: StepTally) -> list[dict[str, Any]]:  # fmt: skip
     """Export one finished session; its rows for the current step (none unless it ended well)."""
+    from pipeline.rollout.loop import export_session
+
     cfg = config.rollout
-    try:
-        exported = await admin.export(finished.session_id, style=cfg.export_style, discount=cfg.discount)
-    except ProxyAPIError as exc:
-        if exc.status is None or exc.status >= 500:
-            raise
-        log.warning("could not export session %s (%s): skipped", finished.session_id, exc)
+    exported = await export_session(admin, finished.session_id, cfg.export_style, cfg.discount)
+    if exported is None:
+        tally.add_error(f"external session {finished.session_id} could not be exported", timed_out=False)
         return []
     rows = [{**row, "step": step} for row in exported["samples"]]
     if finished.status in ("failed", "abandoned"):

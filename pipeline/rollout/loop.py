@@ -156,7 +156,11 @@ async def run_session(ro: Rollout, step: int, prompt: Prompt, run_index: int, ta
     session_api = SessionAPI(ro.proxy_url, session, ro.admin.http)
     report = await apply_rewards(session_api, report)
     await end_quietly(session_api)
-    exported = await ro.admin.export(session.session_id, style=cfg.export_style, discount=cfg.discount)
+    exported = await export_session(ro.admin, session.session_id, cfg.export_style, cfg.discount)
+    if exported is None:
+        report = RunReport(None, report.error or "the session could not be exported (see the warning above)",
+                           report.timed_out, report.duration_s)  # fmt: skip
+        exported = {"samples": []}
     samples = [{**row, "step": step} for row in exported["samples"]]
     if report.outcome is None:
         log.warning("agent run failed (session %s, dataset row %d):\n%s", session.session_id, prompt.index,
@@ -184,6 +188,27 @@ async def admit_session(admin: ProxyAPI, group_id: str, metadata: dict[str, Any]
                                "above rollout.max_concurrency") from exc  # fmt: skip
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
+
+
+async def export_session(admin: ProxyAPI, session_id: str, style: str, discount: float,
+                         patience_s: float = 30.0) -> dict[str, Any] | None:  # fmt: skip
+    """Export a session; None if the proxy refuses it (the run is then lost, not the step).
+
+    A 409 means calls of the session are still in flight, e.g. after a timed-out agent was
+    cancelled mid-request: the proxy finishes or aborts them shortly, so retry for a while.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + patience_s
+    while True:
+        try:
+            return await admin.export(session_id, style=style, discount=discount)
+        except ProxyAPIError as exc:
+            if exc.status is None or exc.status >= 500:
+                raise
+            if exc.status != 409 or loop.time() > deadline:
+                log.warning("session %s could not be exported; its run yields no samples: %s", session_id, exc)
+                return None
+        await asyncio.sleep(0.2)
 
 
 async def apply_rewards(session: SessionAPI, report: RunReport) -> RunReport:
