@@ -97,21 +97,18 @@ def resumed_config(paths: RunPaths, config_path: Path, overrides: list[str]) -> 
         raise ArlError(f"--resume: {paths.root} has no config.yaml, so it is not a run dir arl created; "
                        "use --clean to start over there")  # fmt: skip
     frozen = load_config(paths.config)
-    given = load_config(config_path)
+    given = load_config(config_path, overrides)
     unsafe = [d for d in differences(frozen, given) if not resumable(d[0])]
     if unsafe:
-        raise ArlError(f"--resume: {config_path} differs from the run's frozen config ({paths.config}) in ways "
-                       f"that change the results: {_describe(unsafe)}. Resume with the same config, or start a new "
-                       "trial (trial_name=...) or pass --clean")  # fmt: skip
-    harmless = differences(frozen, given)
-    if harmless:
-        log.warning("--resume keeps the frozen values of %s; pass key=value overrides to change them",
-                    ", ".join(key for key, _, _ in harmless))  # fmt: skip
-    resumed = load_config(paths.config, overrides)
-    unsafe = [d for d in differences(frozen, resumed) if not resumable(d[0])]
-    if unsafe:
-        raise ArlError(f"--resume: these overrides would change the results of a run already under way: "
-                       f"{_describe(unsafe)}. Only {', '.join(RESUMABLE)} may change on resume")  # fmt: skip
+        raise ArlError(f"--resume: {config_path} with these overrides differs from the run's frozen config "
+                       f"({paths.config}) in ways that change the results: {_describe(unsafe)}. Resume with the "
+                       "same config and overrides, or start a new trial (trial_name=...), or pass --clean")  # fmt: skip
+    resumed = load_config(paths.config, overrides)  # the frozen config; only the overrides change it
+    applied = {key for key, _, _ in differences(frozen, resumed)}
+    kept = [key for key, _, _ in differences(frozen, given) if key not in applied]
+    if kept:
+        log.warning("--resume keeps the frozen values of %s (changed only in the config file); pass key=value "
+                    "overrides to change them", ", ".join(kept))  # fmt: skip
     return resumed
 
 

@@ -115,6 +115,14 @@ def test_resume_keeps_the_frozen_config_and_applies_safe_overrides(tmp_path: Pat
     assert load_config(paths.config).num_steps == 9
 
 
+def test_resume_accepts_the_same_command_line_again(tmp_path: Path) -> None:
+    """Users re-run their launch command with --resume: the same overrides must not count as changes."""
+    same = ["rollout.group_size=2", "trainer.optimizer.lr=0.01", "trial_name=t2"]
+    prepare_run_dir(_config(tmp_path), same, resume=False, clean=False)
+    config, paths = prepare_run_dir(_config(tmp_path), same, resume=True, clean=False)
+    assert (config.rollout.group_size, config.trial_name) == (2, "t2") and paths.root.name == "t2"
+
+
 def test_resumable_keys_and_differences() -> None:
     assert resumable("cluster.train.partition") and resumable("num_steps")
     assert not resumable("rollout.batch_size") and not resumable("model.path")
