@@ -1,0 +1,54 @@
+"""Command lines of each backend's server processes (SGLang cannot be installed here: its argv is the contract)."""
+
+from __future__ import annotations
+
+import sys
+
+from pipeline.config import load_config
+from pipeline.engine.servers import server_procs
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_sglang_command_from_config():
+    config = load_config(
+        None,
+        [
+            "inference.backend=sglang",
+            "inference.tp_size=4",
+            "inference.mem_fraction=0.7",
+            "inference.python=/opt/sgl/bin/python",
+            "model.dtype=bfloat16",
+            "model.max_context=8192",
+            "model.tokenizer=/tok",
+            "inference.extra_args=[--enable-metrics, --tp-size, '8']",
+        ],
+    )
+    (proc,) = server_procs(config, host="0.0.0.0", port=30001, model_path="/ckpt/step_000003", version=3)
+    argv = proc.argv
+    assert argv[:3] == ["/opt/sgl/bin/python", "-m", "sglang.launch_server"]
+    assert flag(argv, "--model-path") == "/ckpt/step_000003" and flag(argv, "--tokenizer-path") == "/tok"
+    assert flag(argv, "--host") == "0.0.0.0" and flag(argv, "--port") == "30001"
+    assert flag(argv, "--tp-size") == "4" and flag(argv, "--mem-fraction-static") == "0.7"
+    assert flag(argv, "--dtype") == "bfloat16" and flag(argv, "--context-length") == "8192"
+    assert flag(argv, "--weight-version") == "3"
+    assert argv[-3:] == ["--enable-metrics", "--tp-size", "8"]  # extra args last: they win
+
+
+def test_sglang_defaults_to_this_interpreter_and_the_model_tokenizer():
+    config = load_config(None, ["inference.backend=sglang"])
+    (proc,) = server_procs(config, host="127.0.0.1", port=1, model_path="/m", version=0)
+    assert proc.argv[0] == sys.executable and flag(proc.argv, "--tokenizer-path") == "/m"
+    assert "pipeline" not in proc.argv  # no adapter: SGLang speaks the protocol itself
+
+
+def test_hf_command_from_config():
+    config = load_config(None, ["inference.device=cpu", "inference.max_batch_size=8", "model.max_context=512"])
+    (proc,) = server_procs(config, host="127.0.0.1", port=4000, model_path="/m", version=2)
+    argv = proc.argv
+    assert argv[:3] == [sys.executable, "-m", "pipeline.engine.hf_server"]
+    assert flag(argv, "--device") == "cpu" and flag(argv, "--max-batch-size") == "8"
+    assert flag(argv, "--max-context") == "512" and flag(argv, "--weight-version") == "2"
+    assert "PYTHONPATH" in proc.env
