@@ -149,7 +149,10 @@ def transformer_config(dims: ModelDims, run: RunSettings) -> Any:
         sequence_parallel=run.sequence_parallel, params_dtype=run.dtype, bf16=bf16,
         pipeline_dtype=run.dtype if run.pp > 1 else None,
         calculate_per_token_loss=True,  # our losses are already globally weighted: DDP must SUM, not average
-        use_cpu_initialization=not run.cuda, perform_initialization=False,
+        # perform_initialization must stay on even though every weight is overwritten by the HF checkpoint:
+        # megatron marks tensor-parallel weights (`tensor_model_parallel`, used by grad-norm and optimizer
+        # code to count TP-split vs replicated parameters) only inside its init functions.
+        use_cpu_initialization=not run.cuda, perform_initialization=True,
     )  # fmt: skip
 
 
