@@ -116,6 +116,7 @@ def pid_alive(pid: int) -> bool:
 # -- local executor ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_local_run_ends_with_the_trainer_and_resume_makes_new_attempts(workdir: Path) -> None:
     result = arl(workdir, "launch", "config.yaml", "--executor", "local", env={"FAKE_TRAIN_S": "2"})
     assert result.returncode == 0, result.stdout + result.stderr
@@ -233,6 +234,7 @@ def sacct_state(job_id: str) -> str:
 
 
 @pytest.mark.slurm
+@pytest.mark.slow
 @slurm
 def test_slurm_jobs_run_report_status_stop_by_id_and_resume(workdir: Path) -> None:
     result = arl(workdir, "launch", "config.yaml", "--executor", "slurm", env={"FAKE_TRAIN_FOREVER": "1"})
