@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import typer
 
@@ -146,9 +145,10 @@ def make_tiny_model_cmd(
     """Make an offline, seeded, tiny Qwen2-architecture model + tokenizer (for tests and the demo)."""
     from pipeline.tiny_model import make_tiny_model
 
-    if template not in ("qwen", "llama3"):
+    if template != "qwen" and template != "llama3":
         raise ArlError(f"--template must be qwen or llama3, got {template!r}")
-    path = make_tiny_model(out_dir, template=template, num_layers=layers, hidden_size=hidden, seed=seed,
+    style: Literal["qwen", "llama3"] = "qwen" if template == "qwen" else "llama3"
+    path = make_tiny_model(out_dir, template=style, num_layers=layers, hidden_size=hidden, seed=seed,
                            overwrite=overwrite)  # fmt: skip
     typer.echo(f"tiny model written to {path}")
 
@@ -179,4 +179,4 @@ def main() -> None:  # pragma: no cover - console entry
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()
