@@ -21,7 +21,9 @@ def setup_logging(stage: str | None = None, log_file: Path | None = None, level:
     stream = logging.StreamHandler(sys.stderr)
     stream.setFormatter(formatter)
     root.addHandler(stream)
-    if log_file is not None:
+    # Under `arl launch` (ARL_ATTEMPT set) the launcher already sends this process's stdout/stderr
+    # to the attempt log; a file handler on the same file would write every line twice.
+    if log_file is not None and not os.environ.get("ARL_ATTEMPT"):
         log_file.parent.mkdir(parents=True, exist_ok=True)
         file_handler = logging.FileHandler(log_file)
         file_handler.setFormatter(formatter)

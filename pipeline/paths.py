@@ -164,6 +164,15 @@ class RunPaths:
         attempts = [int(m.group(1)) for p in _listdir(self.stage_logs(stage)) if (m := _ATTEMPT_RE.match(p.name))]
         return max(attempts, default=0) + 1
 
+    def sbatch_script(self, stage: str) -> Path:
+        """The stage's sbatch script written by `arl launch --dry-run` (also runs with plain `sbatch`)."""
+        return self.root / "sbatch" / f"{stage}.sbatch"
+
+    @property
+    def submitit_dir(self) -> Path:
+        """submitit's pickles and results for the run's jobs."""
+        return self.root / "sbatch" / "submitit"
+
     @property
     def reward_curve(self) -> Path:
         return self.root / "reward_curve.png"

@@ -42,12 +42,12 @@ def stages_for(config: ArlConfig) -> list[str]:
 
 def sbatch_script_path(paths: RunPaths, stage: str) -> Path:
     """Where `--dry-run` writes a stage's sbatch script (the one place that names it)."""
-    return paths.root / "sbatch" / f"{stage}.sbatch"
+    return paths.sbatch_script(stage)
 
 
 def submitit_folder(paths: RunPaths) -> Path:
     """submitit's pickles and results for the run's jobs (next to the dry-run scripts)."""
-    return paths.root / "sbatch" / "submitit"
+    return paths.submitit_dir
 
 
 def job_name(config: ArlConfig, stage: str) -> str:
