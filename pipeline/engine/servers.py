@@ -25,6 +25,8 @@ class ProcSpec:
     env: dict[str, str] = field(default_factory=dict)
     log_suffix: str | None = None
     """None: the server's main log; else a second log file (`server-<i>-<suffix>...`)."""
+    health_url: str | None = None
+    """Where this process answers `/health` when it is not the protocol-serving one (e.g. vLLM behind the adapter)."""
 
 
 def server_procs(config: ArlConfig, *, host: str, port: int, model_path: str, version: int) -> list[ProcSpec]:

@@ -1,0 +1,78 @@
+"""SGLang `/generate` work items to vLLM `/v1/completions` bodies, and vLLM choices back to SGLang responses.
+
+Token-in/token-out: the prompt goes as a list of token ids (`prompt: [ids]`), and the server runs
+with `--return-tokens-as-token-ids`, so every returned token is `token_id:<n>` and the ids are
+exact (no re-tokenisation of text). `logprobs: 0` asks for the sampled token's logprob only.
+Pure functions: unit-tested without a server.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.engine.protocol import WorkItem
+
+_TOKEN_PREFIX = "token_id:"
+
+
+def completion_body(item: WorkItem, served_name: str, *, stream: bool) -> dict[str, Any]:
+    """The vLLM completion request for one work item (SGLang sampling names mapped to vLLM's)."""
+    params = item.params
+    body: dict[str, Any] = {
+        "model": served_name,
+        "prompt": item.input_ids,
+        "max_tokens": item.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else 0,  # vLLM: 0 disables, SGLang: -1
+        "min_p": params.min_p,
+        "ignore_eos": params.ignore_eos,
+        "skip_special_tokens": params.skip_special_tokens,
+        "spaces_between_special_tokens": params.spaces_between_special_tokens,
+        "include_stop_str_in_output": params.no_stop_trim,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+        "n": 1,
+        "stream": stream,
+    }
+    if params.stop_strings():
+        body["stop"] = params.stop_strings()
+    if params.stop_token_ids:
+        body["stop_token_ids"] = list(params.stop_token_ids)
+    if params.sampling_seed is not None:
+        body["seed"] = params.sampling_seed
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def choice_tokens(choice: dict[str, Any]) -> tuple[list[int], list[float]]:
+    """(token ids, logprobs) of a completion choice (or a streamed delta of one)."""
+    logprobs = choice.get("logprobs") or {}
+    tokens = logprobs.get("tokens") or []
+    values = logprobs.get("token_logprobs") or []
+    ids = [parse_token(t) for t in tokens]
+    return ids, [float(v) if v is not None else float("nan") for v in values]
+
+
+def parse_token(token: str) -> int:
+    if not token.startswith(_TOKEN_PREFIX):
+        raise ValueError(
+            f"vLLM returned token {token!r}, not 'token_id:<n>': start it with --return-tokens-as-token-ids"
+        )
+    return int(token[len(_TOKEN_PREFIX) :])
+
+
+def finish_reason(choice: dict[str, Any], output_ids: list[int], stop_ids: set[int]) -> dict[str, Any] | None:
+    """SGLang's `finish_reason` from vLLM's `finish_reason` + `stop_reason`."""
+    reason = choice.get("finish_reason")
+    if reason is None:
+        return None
+    if reason == "length":
+        return {"type": "length", "length": len(output_ids)}
+    if reason == "stop":
+        matched = choice.get("stop_reason")
+        if matched is None and output_ids and output_ids[-1] in stop_ids:
+            matched = output_ids[-1]  # EOS: vLLM reports no stop_reason for it
+        return {"type": "stop", "matched": matched}
+    return {"type": "abort", "message": f"vLLM finish_reason {reason!r}"}

@@ -1,0 +1,66 @@
+"""A vLLM worker extension for arl's weight updates, called through vLLM's `/collective_rpc`.
+
+Loaded *inside vLLM's workers* (vLLM's own venv), so it imports only the standard library, torch and
+`pipeline.engine.weight_group` (torch only). vLLM mixes this class into its worker class
+(`--worker-extension-cls`), so `self` is the worker: `self.model_runner`, `self.rank`, `self.device`.
+`/collective_rpc` passes string arguments only, hence the JSON strings.
+
+Why the extra step after each load: with tied embeddings the CPU build keeps a pre-packed copy of
+the output layer; without re-running its `process_weights_after_loading`, generation would keep
+using the old `lm_head` (measured; see shared/notes/ml-stack.md).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class ArlWorkerExtension:
+    model_runner: Any
+    rank: int
+    device: Any
+
+    def arl_reload_from_disk(self, model_path: str) -> str:
+        """Load every weight from a Hugging Face directory (vLLM's in-place reload)."""
+        self.model_runner.reload_weights(weights_path=model_path)
+        self._arl_after_load()
+        return f"rank {self.rank}: reloaded {model_path}"
+
+    def arl_init_group(self, spec: str) -> str:
+        """Join the trainer's broadcast group as rank `rank_offset + this worker's rank`."""
+        from pipeline.engine.weight_group import init_weight_group
+
+        args = json.loads(spec)
+        groups = self.__dict__.setdefault("_arl_groups", {})
+        rank = int(args["rank_offset"]) + int(self.rank)
+        groups[args["group_name"]] = init_weight_group(
+            args["master_address"],
+            int(args["master_port"]),
+            rank=rank,
+            world_size=int(args["world_size"]),
+            group_name=args["group_name"],
+            backend=args["backend"],
+        )
+        return f"rank {rank} joined {args['group_name']}"
+
+    def arl_receive(self, spec: str) -> str:
+        """Receive named tensors from rank 0 of the group and load them in place."""
+        from pipeline.engine.weight_group import receive_from_trainer
+
+        args = json.loads(spec)
+        group = self.__dict__.get("_arl_groups", {}).get(args["group_name"])
+        if group is None:
+            raise ValueError(f"no weight update group {args['group_name']!r} on worker {self.rank}")
+        device = "cpu" if args.get("backend") == "gloo" else self.device
+        tensors = receive_from_trainer(group, args["dtypes"], args["shapes"], device)
+        self.model_runner.reload_weights(weights_iterator=list(zip(args["names"], tensors, strict=True)))
+        self._arl_after_load()
+        return f"rank {self.rank}: received {len(tensors)} tensors"
+
+    def _arl_after_load(self) -> None:
+        model = self.model_runner.get_model()
+        lm_head = getattr(model, "lm_head", None)
+        method = getattr(lm_head, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(lm_head)
