@@ -139,7 +139,7 @@ def test_one_training_step_equals_the_torch_backend(tiny_model_dir: Path, tmp_pa
 
     config = load_config(None, [f"fileroot={tmp_path}", "experiment_name=x", "trial_name=y",
                                 f"model.path={tiny_model_dir}", "trainer.device=cpu", "trainer.optimizer.lr=0.01",
-                                "trainer.algorithm.entropy_coef=0.01"])  # fmt: skip
+                                "trainer.algorithm.entropy_coef=0.01", "trainer.optimizer.eps=0.001"])  # fmt: skip
     samples = rows_to_samples(add_behaviour_logprobs(synthetic_rows(0, completion_lens=[5, 9, 13]), tiny_model_dir))
     adv = compute_advantages([s.reward for s in samples], [s.group_id for s in samples],
                              config.trainer.algorithm.advantage)  # fmt: skip
@@ -172,8 +172,8 @@ def test_one_training_step_equals_the_torch_backend(tiny_model_dir: Path, tmp_pa
             continue
         scale = grad.abs().max().item()
         assert (g_m[key] - grad).abs().max().item() <= 1e-4 * scale + 1e-9, key
-    # Adam's first update is lr * g / (|g| + eps): for elements whose gradient is tiny (embedding rows of
-    # unused tokens) a 1e-7 relative difference in g moves the update noticeably, but it stays bounded by
-    # lr; require agreement within 1% of one step (lr = 0.01).
+    # Adam's first update is lr * g / (|g| + eps): with the default eps=1e-8, float noise of 1e-9 in a
+    # near-zero gradient (embedding rows of unused tokens) moves that element's update by up to ~lr/4;
+    # eps=1e-3 removes that amplification, so the updated weights agree to float precision.
     for key, weight in w_t.items():
-        assert (w_m[key] - weight).abs().max().item() < 1e-4, key
+        assert (w_m[key] - weight).abs().max().item() < 1e-6, key

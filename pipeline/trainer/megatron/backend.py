@@ -111,7 +111,7 @@ class MegatronBackend:
                                 bf16=self.settings.dtype == torch.bfloat16, params_dtype=self.settings.dtype),
                 [self.ddp],
             )  # fmt: skip
-            inner = self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer
+            inner = _torch_optimizer(self.optimizer)
         else:
             inner = self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=opt.betas,
                                                        eps=opt.eps, weight_decay=opt.weight_decay)  # fmt: skip
@@ -270,3 +270,15 @@ class MegatronBackend:
     def close(self) -> None:
         self.model = self.reference = self.ddp = self.optimizer = self.scheduler = None
         parallel.destroy()
+
+
+def _torch_optimizer(megatron_optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside megatron's (mixed-precision) optimizer, possibly wrapped in a ChainedOptimizer:
+    the lr schedule is applied to its param groups (megatron's own scheduler is not used)."""
+    chained = getattr(megatron_optimizer, "chained_optimizers", None)
+    parts = list(chained) if chained is not None else [megatron_optimizer]
+    if len(parts) != 1:
+        raise RuntimeError(f"expected one dense megatron optimizer, got {len(parts)} (MoE models are not supported)")
+    inner = parts[0].optimizer
+    assert isinstance(inner, torch.optim.Optimizer)
+    return inner
