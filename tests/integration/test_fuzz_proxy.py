@@ -1,0 +1,116 @@
+"""Schemathesis against the proxy's own OpenAPI schema, every operation, valid and invalid inputs,
+with every kind of key: zero 5xx, zero hangs, and every error in the API's JSON error shape.
+
+The proxy is its own process (the `benchmarks/proxy_load.py` harness) in front of a real `hf` engine
+process; completions are capped at 3 tokens (`proxy.max_tokens_limit`) so thousands of cases stay
+fast. Case counts: `ARL_FUZZ_EXAMPLES` per operation and generation mode (default 60: ~1,700 cases).
+A case that fails is printed by Hypothesis with its body, so it can be replayed by hand.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import secrets
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = int(os.environ.get("ARL_FUZZ_EXAMPLES", "60"))
+KEY_KINDS = ("none", "wrong", "admin", "client", "session")
+TIMEOUT_S = 60.0  # per request: a hang fails the case
+
+
+def load_harness() -> Any:
+    spec = importlib.util.spec_from_file_location("proxy_load", REPO / "benchmarks" / "proxy_load.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["proxy_load"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class Target:
+    url: str
+    admin: str
+    client: str
+    schema: Any
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+    import schemathesis
+
+    harness = load_harness()
+    work = tmp_path_factory.mktemp("fuzz_proxy")
+    admin, client = "arl-admin-" + secrets.token_urlsafe(12), "client-" + secrets.token_urlsafe(12)
+    engine_url, engine = harness.start_engine(tiny_model_dir, work / "engine.log")
+    os.environ["ARL_LOAD_PROXY_CONFIG"] = json.dumps({"max_tokens_limit": 3, "max_request_bytes": 65536})
+    try:
+        url, proxy = harness.start_proxy(tiny_model_dir, engine_url, work / "proxy.log", admin_key=admin,
+                                         client_keys=[client])  # fmt: skip
+    finally:
+        del os.environ["ARL_LOAD_PROXY_CONFIG"]
+    raw = httpx.get(f"{url}/openapi.json", timeout=30).json()
+    raw["paths"] = {p: v for p, v in raw["paths"].items() if not p.startswith("/_load")}  # the harness's own route
+    yield Target(url, admin, client, schemathesis.openapi.from_dict(raw))
+    for proc in (proxy, engine):
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def operations(target: Target) -> list[Any]:
+    return [result.ok() for result in target.schema.get_all_operations()]
+
+
+def key_for(target: Target, kind: str) -> str | None:
+    if kind == "session":
+        reply = httpx.post(f"{target.url}/rl/start_session", headers={"Authorization": f"Bearer {target.admin}"},
+                           timeout=TIMEOUT_S)  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        return str(reply.json()["api_key"])
+    return {"none": None, "wrong": "sk-wrong", "admin": target.admin, "client": target.client}[kind]
+
+
+def check(response: Any, label: str) -> None:
+    """No 5xx (502/503 would mean the engine failed, which it must not here); errors are JSON objects."""
+    assert response.status_code < 500, f"{label}: {response.status_code} {response.text[:500]}"
+    if response.status_code >= 400:
+        body = response.json()
+        assert isinstance(body, dict) and "error" in body, f"{label}: error body {response.text[:300]}"
+
+
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_proxy_schema_fuzz(target: Target, mode: str) -> None:
+    import requests
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from schemathesis import GenerationMode
+
+    generation = GenerationMode.POSITIVE if mode == "positive" else GenerationMode.NEGATIVE
+    seen: dict[str, int] = {}
+    with requests.Session() as http:
+        for operation in operations(target):
+
+            @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))  # fmt: skip
+            @given(case=operation.as_strategy(generation_mode=generation), kind=st.sampled_from(KEY_KINDS))
+            def fuzz(case: Any, kind: str, operation: Any = operation) -> None:
+                key = key_for(target, kind)
+                headers = {"Authorization": f"Bearer {key}"} if key else {}
+                response = case.call(base_url=target.url, session=http, headers=headers, timeout=TIMEOUT_S)
+                seen[operation.label] = seen.get(operation.label, 0) + 1
+                check(response, f"{operation.label} ({kind} key)")
+
+            fuzz()
+    print(f"{mode}: {sum(seen.values())} cases over {len(seen)} operations: {seen}")
+    assert len(seen) == len(operations(target)), "every operation was exercised"
+    assert httpx.get(f"{target.url}/health", timeout=TIMEOUT_S).status_code == 200, "the proxy is still alive"
