@@ -52,3 +52,28 @@ def test_hf_command_from_config():
     assert flag(argv, "--device") == "cpu" and flag(argv, "--max-batch-size") == "8"
     assert flag(argv, "--max-context") == "512" and flag(argv, "--weight-version") == "2"
     assert "PYTHONPATH" in proc.env
+
+
+def test_vllm_server_and_adapter_commands():
+    config = load_config(
+        None,
+        [
+            "inference.backend=vllm",
+            "inference.python=/v/bin/python",
+            "inference.tp_size=2",
+            "model.max_context=4096",
+            "inference.extra_args=[--enforce-eager]",
+        ],
+    )
+    server, adapter = server_procs(config, host="0.0.0.0", port=30002, model_path="/ckpt", version=7)
+    argv = server.argv
+    assert argv[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert flag(argv, "--model") == "/ckpt" and flag(argv, "--host") == "127.0.0.1"  # only the adapter is public
+    assert flag(argv, "--tensor-parallel-size") == "2" and flag(argv, "--max-model-len") == "4096"
+    assert "--return-tokens-as-token-ids" in argv and flag(argv, "--logprobs-mode") == "processed_logprobs"
+    assert flag(argv, "--worker-extension-cls") == "pipeline.engine.vllm_worker_ext.ArlWorkerExtension"
+    assert argv[-1] == "--enforce-eager" and server.env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert adapter.argv[:3] == [sys.executable, "-m", "pipeline.engine.vllm_adapter"]
+    assert flag(adapter.argv, "--port") == "30002" and flag(adapter.argv, "--host") == "0.0.0.0"
+    assert flag(adapter.argv, "--upstream") == server.health_url == f"http://127.0.0.1:{flag(argv, '--port')}"
+    assert flag(adapter.argv, "--weight-version") == "7" and flag(adapter.argv, "--tp-size") == "2"

@@ -1,0 +1,187 @@
+"""The `vllm` backend against a real CPU vLLM server (in `.vllm-venv`) through our SGLang-protocol adapter.
+
+Skipped with a reason when `.vllm-venv` is absent (build it with scripts/vllm_venv.sh; CI does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from pipeline.config import load_config
+from pipeline.engine.client import EngineClient, EngineError
+from pipeline.engine.servers import ProcSpec
+from pipeline.engine.testing import free_port
+from pipeline.engine.vllm_backend import vllm_procs, vllm_venv_python
+from pipeline.engine.weight_group import broadcast_from_trainer, dtype_name, init_weight_group
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(vllm_venv_python() is None, reason="no .vllm-venv: build it with scripts/vllm_venv.sh"),
+]
+TOL = 2e-3  # vLLM's CPU kernels (fused qkv, its own attention) vs transformers' eager path, fp32
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float = 900.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"not healthy after {timeout_s}s:\n{log.read_text()[-4000:]}"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
+def _start(spec: ProcSpec, url: str, log: Path) -> subprocess.Popen[bytes]:
+    handle = open(log, "wb")  # noqa: SIM115 - owned by the child
+    proc = subprocess.Popen(spec.argv, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **spec.env})
+    _wait_healthy(proc, url, log)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def vllm_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    logs = tmp_path_factory.mktemp("vllm_logs")
+    port = free_port()
+    config = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "inference.backend=vllm",
+            "model.max_context=512",
+            f"inference.python={vllm_venv_python()}",
+            "inference.max_batch_size=16",
+        ],
+    )
+    specs = vllm_procs(config, host="127.0.0.1", port=port, model_path=str(tiny_model_dir), version=0)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for i, spec in enumerate(specs):
+            procs.append(_start(spec, spec.health_url or f"http://127.0.0.1:{port}", logs / f"proc{i}.log"))
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def load(path: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def teacher_forced(model: Any, prompt: list[int], output: list[int], temperature: float = 1.0) -> list[float]:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + output])).logits[0].float() / temperature
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [logprobs[len(prompt) - 1 + i, tok].item() for i, tok in enumerate(output)]
+
+
+def close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b, strict=True)) < TOL
+
+
+PROMPT = [11, 12, 13, 14, 15]
+
+
+async def test_generate_token_in_token_out_with_scaled_logprobs(vllm_url: str, tiny_model_dir: Path):
+    model = load(tiny_model_dir)
+    async with EngineClient([vllm_url]) as client:
+        results = await asyncio.gather(
+            *(
+                client.generate(PROMPT[: 2 + i], {"max_new_tokens": 8, "temperature": 0.8, "ignore_eos": True})
+                for i in range(4)
+            )
+        )
+    for i, result in enumerate(results):
+        assert len(result.output_ids) == 8 and result.finish_reason == "length" and result.weight_version == 0
+        assert close(result.output_logprobs, teacher_forced(model, PROMPT[: 2 + i], result.output_ids, 0.8))
+
+
+async def test_stream_and_stop_tokens(vllm_url: str):
+    async with EngineClient([vllm_url]) as client:
+        greedy = await client.generate(PROMPT, {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+        chunks = [
+            c async for c in client.generate_stream(PROMPT, {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+        ]
+        stop_at = greedy.output_ids[2]
+        stopped = await client.generate(PROMPT, {"max_new_tokens": 6, "temperature": 0, "stop_token_ids": [stop_at]})
+    assert [t for c in chunks for t in c.new_ids] == greedy.output_ids
+    assert chunks[-1].finish_reason == "length"
+    assert stopped.output_ids == greedy.output_ids[: greedy.output_ids.index(stop_at) + 1]
+    assert stopped.finish_reason == "stop" and stopped.matched == stop_at
+
+
+def test_bad_input_is_a_400(vllm_url: str):
+    resp = httpx.post(vllm_url + "/generate", json={"input_ids": [1, 99999]})
+    assert resp.status_code == 400 and "vocabulary" in resp.json()["error"]["message"]
+    resp = httpx.post(vllm_url + "/generate", json={"input_ids": [1], "sampling_params": {"n": 0}})
+    assert resp.status_code == 400
+
+
+async def test_update_from_disk(vllm_url: str, tmp_path: Path):
+    from pipeline.tiny_model import make_tiny_model
+
+    other = make_tiny_model(tmp_path / "seed1", seed=1)
+    new = load(other)
+    async with EngineClient([vllm_url]) as client:
+        await client.update_weights_from_disk(str(other), weight_version=2)
+        result = await client.generate(PROMPT, {"max_new_tokens": 8, "ignore_eos": True})
+        assert await client.weight_version() == 2
+    assert result.weight_version == 2
+    assert close(result.output_logprobs, teacher_forced(new, PROMPT, result.output_ids))
+
+
+async def test_update_from_distributed_over_gloo(vllm_url: str, tmp_path: Path):
+    from pipeline.tiny_model import make_tiny_model
+
+    new = load(make_tiny_model(tmp_path / "seed2", seed=2))
+    named = [(n, p.detach().contiguous()) for n, p in new.named_parameters()]
+    port = free_port()
+    async with EngineClient([vllm_url]) as client:
+        world = await client.weights_group_world_size()
+        join = asyncio.create_task(client.init_weights_update_group("127.0.0.1", port, "vllm-wg", "gloo"))
+        group = await asyncio.to_thread(
+            init_weight_group,
+            "127.0.0.1",
+            port,
+            rank=0,
+            world_size=world,
+            group_name="vllm-wg",
+            backend="gloo",
+            timeout_s=300,
+        )
+        await join
+        with pytest.raises(EngineError):  # refused before the broadcast starts: nobody hangs
+            await client.update_weights_from_distributed(["nope.weight"], ["float32"], [[1]], "vllm-wg", 9)
+        await asyncio.gather(
+            client.update_weights_from_distributed(
+                [n for n, _ in named],
+                [dtype_name(t.dtype) for _, t in named],
+                [list(t.shape) for _, t in named],
+                "vllm-wg",
+                weight_version=3,
+            ),
+            asyncio.to_thread(broadcast_from_trainer, group, [t for _, t in named]),
+        )
+        result = await client.generate(PROMPT, {"max_new_tokens": 8, "ignore_eos": True})
+    assert result.weight_version == 3
+    assert close(result.output_logprobs, teacher_forced(new, PROMPT, result.output_ids))

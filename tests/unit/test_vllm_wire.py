@@ -1,0 +1,47 @@
+"""Mapping SGLang work items to vLLM completion bodies and vLLM choices back (no server needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.engine.protocol import WorkItem
+from pipeline.engine.vllm_wire import choice_tokens, completion_body, finish_reason
+from schemas.engine_api import SamplingParams
+
+
+def test_body_is_token_in_with_sglang_params_mapped():
+    params = SamplingParams(
+        max_new_tokens=9,
+        temperature=0.5,
+        top_k=-1,
+        stop=["END"],
+        stop_token_ids=[3],
+        sampling_seed=4,
+        no_stop_trim=True,
+    )
+    body = completion_body(WorkItem("r", [5, 6], params, 9, True), "policy", stream=True)
+    assert body["prompt"] == [5, 6] and body["model"] == "policy" and body["max_tokens"] == 9
+    assert body["top_k"] == 0  # vLLM's "off"
+    assert body["stop"] == ["END"] and body["stop_token_ids"] == [3] and body["seed"] == 4
+    assert body["logprobs"] == 0 and body["return_tokens_as_token_ids"] is True
+    assert body["include_stop_str_in_output"] is True and body["stream_options"] == {"include_usage": True}
+
+
+def test_choice_tokens_and_finish_reasons():
+    choice = {
+        "logprobs": {"tokens": ["token_id:7", "token_id:2"], "token_logprobs": [-0.5, -0.1]},
+        "finish_reason": "stop",
+        "stop_reason": None,
+    }
+    ids, lps = choice_tokens(choice)
+    assert ids == [7, 2] and lps == [-0.5, -0.1]
+    assert finish_reason(choice, ids, {2}) == {"type": "stop", "matched": 2}  # EOS: vLLM gives no stop_reason
+    assert finish_reason({**choice, "stop_reason": "END"}, ids, {2}) == {"type": "stop", "matched": "END"}
+    assert finish_reason({"finish_reason": "length"}, ids, set()) == {"type": "length", "length": 2}
+    assert finish_reason({"finish_reason": None}, ids, set()) is None
+    assert finish_reason({"finish_reason": "abort"}, ids, set())["type"] == "abort"
+
+
+def test_text_tokens_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="--return-tokens-as-token-ids"):
+        choice_tokens({"logprobs": {"tokens": ["hello"], "token_logprobs": [-1.0]}})
