@@ -1,0 +1,36 @@
+"""The megatron backend on a CUDA GPU (bf16, megatron's DDP and optimizer). Skipped without CUDA.
+
+Tolerance, as in benchmarks/megatron_gpu.py: megatron in bf16 must be no further from the fp32 torch
+backend than twice the torch backend's own bf16 error (+1e-3), because bf16 rounding (2^-9 relative per
+op) has no model-independent absolute bound.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def test_bf16_step_is_as_close_to_fp32_as_the_torch_backend(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import importlib.util
+
+    from pipeline.trainer.synthetic import add_behaviour_logprobs, synthetic_rows
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "megatron_gpu.py"
+    spec = importlib.util.spec_from_file_location("megatron_gpu_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = add_behaviour_logprobs(synthetic_rows(0, completion_lens=[5, 9, 13]), tiny_model_dir)
+    runs = {}
+    for name, backend, bf16 in [("fp32", "torch", False), ("hf", "torch", True), ("megatron", "megatron", True)]:
+        config = bench.make_config(tiny_model_dir, tmp_path, backend, bf16, 256)
+        runs[name] = bench.one_step(config, tiny_model_dir, bench.make_plan(rows, config, 256))
+    hf, mg = bench.errors(runs["hf"], runs["fp32"]), bench.errors(runs["megatron"], runs["fp32"])
+    for key in hf:
+        assert mg[key] <= 2 * hf[key] + 1e-3, (key, mg[key], hf[key])
