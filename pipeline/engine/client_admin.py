@@ -1,0 +1,157 @@
+"""Admin calls of the engine client: fanned out to every server at once, failures named per server.
+
+A mixin of `EngineClient` (kept apart so each module stays readable); it uses the client's URL
+list and HTTP session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from pipeline.engine.wire import EngineError, json_or_text, parse_weight_version, raise_for_status
+
+_ADMIN_TIMEOUT_S = 600.0  # weight loads can be slow on a big model
+_CONNECTION_ERRORS = (aiohttp.ClientConnectionError, ConnectionError)
+
+
+class AdminCalls:
+    _url_source: list[str] | Callable[[], list[str]]
+    _servers: dict[str, Any]
+
+    def _refresh_urls(self) -> None:
+        raise NotImplementedError
+
+    def _http(self) -> aiohttp.ClientSession:
+        raise NotImplementedError
+
+    # -- admin fan-out ------------------------------------------------------------------------
+    async def model_info(self) -> dict[str, Any]:
+        """`/get_model_info` of the first server that answers."""
+        errors = []
+        for url in self._admin_urls():
+            try:
+                return await self._admin(url, "GET", "/get_model_info")
+            except EngineError as exc:
+                errors.append(f"{url}: {exc}")
+        raise EngineError(f"no server answered /get_model_info: {errors}")
+
+    async def weight_version(self) -> int:
+        """The lowest weight version over all servers (what every server has at least)."""
+        answers = await self._fan_out("GET", "/get_weight_version", None)
+        return min(parse_weight_version(a.get("weight_version")) for a in answers.values())
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
+        """Every server reloads its weights from `model_path` (a Hugging Face dir) and reports `weight_version`."""
+        body = {"model_path": str(model_path), "weight_version": str(weight_version)}
+        await self._fan_out("POST", "/update_weights_from_disk", body)
+
+    async def server_tp_sizes(self) -> dict[str, int]:
+        """Tensor-parallel size of each server (`/get_server_info`), in routing order."""
+        answers = await self._fan_out("GET", "/get_server_info", None)
+        return {url: int(answers[url].get("tp_size", 1) or 1) for url in self._admin_urls()}
+
+    async def weights_group_world_size(self) -> int:
+        """World size of the broadcast group: the trainer (rank 0) + every server's TP ranks.
+
+        The trainer needs it before it joins the group, i.e. before `init_weights_update_group`
+        returns (every rank blocks until all have joined).
+        """
+        return 1 + sum((await self.server_tp_sizes()).values())
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, group_name: str, backend: str
+    ) -> int:
+        """Ask every server to join the broadcast group; server i's ranks start at 1 + sum(tp of servers < i).
+
+        Returns the world size. The trainer must join as rank 0 concurrently (this call completes
+        only when every rank has joined).
+        """
+        sizes = await self.server_tp_sizes()
+        world_size = 1 + sum(sizes.values())
+        offsets, next_rank = {}, 1
+        for url, tp in sizes.items():
+            offsets[url], next_rank = next_rank, next_rank + tp
+        bodies = {
+            url: {
+                "master_address": master_address,
+                "master_port": int(master_port),
+                "rank_offset": offsets[url],
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            }
+            for url in sizes
+        }
+        await self._fan_out("POST", "/init_weights_update_group", bodies)
+        return world_size
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, weight_version: int
+    ) -> None:
+        """Every server receives the named tensors from the group's rank 0 (broadcast in `names` order)."""
+        body = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "weight_version": str(weight_version),
+            "flush_cache": True,
+        }
+        await self._fan_out("POST", "/update_weights_from_distributed", body)
+
+    async def pause_generation(self) -> None:
+        """Every server stops scheduling decode steps (requests in flight wait, they are not dropped)."""
+        await self._fan_out("POST", "/pause_generation", {"mode": "in_place"})
+
+    async def continue_generation(self) -> None:
+        await self._fan_out("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> None:
+        await self._fan_out("POST", "/flush_cache", None)
+
+    def _admin_urls(self) -> list[str]:
+        if callable(self._url_source):
+            self._refresh_urls()
+        if not self._servers:
+            raise EngineError("no inference servers known: is the inference stage running?")
+        return list(self._servers)
+
+    async def _fan_out(self, method: str, path: str, body: Any) -> dict[str, dict[str, Any]]:
+        """Call `path` on every server at once; raise one error naming every server that failed."""
+        urls = self._admin_urls()
+        per_url = body if isinstance(body, dict) and set(body) == set(urls) and urls else None
+
+        async def one(url: str) -> dict[str, Any]:
+            return await self._admin(url, method, path, per_url[url] if per_url else body)
+
+        results = await asyncio.gather(*(one(u) for u in urls), return_exceptions=True)
+        failed = {u: r for u, r in zip(urls, results, strict=True) if isinstance(r, BaseException)}
+        if failed:
+            detail = "; ".join(f"{u}: {e}" for u, e in failed.items())
+            statuses = {e.status for e in failed.values() if isinstance(e, EngineError)}
+            status = statuses.pop() if len(statuses) == 1 else None
+            raise EngineError(
+                f"{path} failed on {len(failed)} of {len(urls)} servers: {detail}",
+                status=status,
+                server=",".join(failed),
+            )
+        return {u: r for u, r in zip(urls, results, strict=True) if isinstance(r, dict)}
+
+    async def _admin(self, url: str, method: str, path: str, body: Any = None) -> dict[str, Any]:
+        try:
+            async with asyncio.timeout(_ADMIN_TIMEOUT_S):
+                async with self._http().request(method, f"{url}{path}", json=body) as resp:
+                    await raise_for_status(resp, url)
+                    text = await resp.text()
+        except _CONNECTION_ERRORS as exc:
+            raise EngineError(f"{url}{path}: {type(exc).__name__}: {exc}", server=url) from exc
+        except TimeoutError:
+            raise EngineError(f"{url}{path} timed out after {_ADMIN_TIMEOUT_S}s", server=url) from None
+        data = json_or_text(text)
+        if isinstance(data, dict) and data.get("success") is False:
+            raise EngineError(f"{url}{path}: {data.get('message', data)}", status=resp.status, server=url)
+        return data if isinstance(data, dict) else {"result": data}
