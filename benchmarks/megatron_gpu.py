@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 import torch
 
-SMALL = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4, "num_attention_heads": 8,
-         "num_key_value_heads": 2, "vocab_size": 32000}  # fmt: skip
-MODELS = {
+SMALL: dict[str, Any] = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4,
+                         "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 32000}  # fmt: skip
+MODELS: dict[str, dict[str, Any]] = {
     "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
              "num_key_value_heads": 2, "vocab_size": 151936},
     "1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
@@ -46,7 +46,7 @@ MODELS = {
 }  # fmt: skip
 
 
-def make_model(out: Path, shape: dict[str, int], seq: int) -> Path:
+def make_model(out: Path, shape: dict[str, Any], seq: int) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(**shape, max_position_embeddings=max(seq, 4096), tie_word_embeddings=True,
@@ -125,8 +125,10 @@ def hf_grads(backend: Any) -> dict[str, torch.Tensor]:
     if backend.__class__.__name__ == "MegatronBackend":
         from pipeline.trainer.megatron.convert import Shard, megatron_to_hf
 
-        local = {k: (getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad)
-                 for k, p in backend.model.named_parameters()}  # fmt: skip
+        local: dict[str, torch.Tensor] = {}
+        for k, p in backend.model.named_parameters():
+            main_grad = getattr(p, "main_grad", None)  # megatron DDP accumulates into main_grad on GPU
+            local[k] = main_grad if main_grad is not None else p.grad
         return {k: v.float().cpu() for k, v in megatron_to_hf([local], backend.dims, Shard()).items()}
     return {k: p.grad.float().cpu() for k, p in backend.model.named_parameters() if p.grad is not None}
 
