@@ -83,7 +83,7 @@ def make_backend(config: ArlConfig, total_updates: int) -> TrainBackend:
         return TorchBackend(config, total_updates)
     if name == "megatron":
         try:
-            from pipeline.trainer.megatron_backend import MegatronBackend  # type: ignore[import-not-found]
+            from pipeline.trainer.megatron.backend import MegatronBackend
         except ImportError as exc:
             from pipeline.errors import ConfigError
 

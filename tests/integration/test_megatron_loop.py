@@ -20,23 +20,6 @@ OVERRIDES = ["trainer.backend=megatron", "num_steps=3", "trainer.minibatches=2",
              "trainer.keep_checkpoints=5", "trainer.wait_timeout_s=5", "rollout.max_staleness=10"]  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def megatron_factory(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`pipeline.trainer.backend.make_backend` imports the megatron backend from `pipeline.trainer.megatron_backend`,
-    while it lives in `pipeline.trainer.megatron.backend` (issue #8; the import path is the trainer owner's to
-    change). Until then the loop's factory is pointed at it here; the loop itself runs unmodified."""
-    from pipeline.trainer import loop
-    from pipeline.trainer.backend import make_backend
-    from pipeline.trainer.megatron.backend import MegatronBackend
-
-    def factory(config, total_updates):  # type: ignore[no-untyped-def]
-        if config.trainer.backend == "megatron":
-            return MegatronBackend(config, total_updates)
-        return make_backend(config, total_updates)
-
-    monkeypatch.setattr(loop, "make_backend", factory)
-
-
 def completion_logprob(model_dir: Path, rows: list[dict]) -> list[float]:
     from transformers import AutoModelForCausalLM
 
