@@ -165,12 +165,17 @@ def check_picklable(obj: Any, what: str) -> bytes:
 class SubprocExecutor:
     """A pool of `workers` spawned processes, each running one agent run at a time."""
 
-    def __init__(self, agent: Agent, workers: int) -> None:
+    def __init__(self, agent: Agent, workers: int, *, startup_timeout_s: float = 300.0) -> None:
         self.agent = agent
         self.blob = check_picklable(agent.obj, f"agent {agent.spec!r}")
         self.context = multiprocessing.get_context("spawn")
-        self.idle: asyncio.Queue[_Worker] = asyncio.Queue()
+        self.startup_timeout_s = startup_timeout_s
+        # Only workers that reported ready are idle: a run's deadline must not include a worker's start-up
+        # (imports can take many seconds on a busy node). None in the queue = a worker failed to start.
+        self.idle: asyncio.Queue[_Worker | None] = asyncio.Queue()
         self.all: list[_Worker] = []
+        self.init_error: str | None = None
+        self._starting: set[asyncio.Task[None]] = set()
         for _ in range(workers):
             self._spawn()
 
@@ -184,8 +189,23 @@ class SubprocExecutor:
         child.close()
         worker = _Worker(process, parent)
         self.all.append(worker)
-        self.idle.put_nowait(worker)
+        task = asyncio.get_running_loop().create_task(self._await_ready(worker))
+        self._starting.add(task)
+        task.add_done_callback(self._starting.discard)
         return worker
+
+    async def _await_ready(self, worker: _Worker) -> None:
+        try:
+            status, value = await asyncio.wait_for(_recv(worker.conn), self.startup_timeout_s)
+        except (TimeoutError, EOFError, OSError) as exc:
+            pid, code = worker.process.pid, worker.process.exitcode
+            status, value = "init_error", (f"worker process {pid} did not report ready within "
+                                           f"{self.startup_timeout_s:g}s (exit code {code}): {exc!r}")
+        if status == "ready":
+            self.idle.put_nowait(worker)
+            return
+        self.init_error = str(value)
+        self.idle.put_nowait(None)
 
     async def run(self, data: dict[str, Any], ctx: RunContext, timeout_s: float) -> RunReport:
         try:
@@ -193,10 +213,13 @@ class SubprocExecutor:
         except Exception as exc:
             raise ArlError(f"rollout.mode=subproc: dataset row {str(data)[:200]!r} does not pickle: {exc}") from exc
         worker = await self.idle.get()
+        if worker is None:
+            self.idle.put_nowait(None)  # wake the next waiter too
+            raise AgentError(f"an agent worker process failed to start (rollout.mode=subproc):\n{self.init_error}")
         start = time.monotonic()
         try:
             worker.conn.send_bytes(payload)
-            reply = await asyncio.wait_for(asyncio.to_thread(worker.conn.recv), timeout_s)
+            reply = await asyncio.wait_for(_recv(worker.conn), timeout_s)
         except TimeoutError:
             self._replace(worker)
             return RunReport(None, f"agent run timed out after {timeout_s:g}s (rollout.run_timeout_s); its worker "
@@ -218,6 +241,8 @@ class SubprocExecutor:
         self._spawn()
 
     async def close(self) -> None:
+        for task in list(self._starting):
+            task.cancel()
         for worker in self.all:
             with contextlib.suppress(OSError, BrokenPipeError):
                 worker.conn.send_bytes(b"")
@@ -225,6 +250,25 @@ class SubprocExecutor:
             await asyncio.to_thread(worker.process.join, 5)
             worker.kill()
         self.all.clear()
+
+
+async def _recv(conn: Connection) -> Any:
+    """Wait for the worker's reply in the event loop (no thread: the default pool has only a few, and
+    parking one per worker in a blocking `recv` would starve everything else that uses it)."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+    fd = conn.fileno()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(fd, wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
+    return conn.recv()  # a whole message: the worker writes each reply with one send
 
 
 @dataclass
@@ -244,10 +288,15 @@ def _worker_main(conn: Connection, spec: str, blob: bytes, accepts: frozenset[st
     from pipeline.logs import setup_logging
 
     setup_logging()
-    load_object(spec)
-    obj = pickle.loads(blob)
+    try:
+        load_object(spec)
+        obj = pickle.loads(blob)
+    except BaseException:
+        conn.send(("init_error", traceback.format_exc()))
+        return
     agent = Agent(obj=obj, spec=spec, kind="workflow" if hasattr(obj, "arun_episode") else "run",
                   is_async=True, accepts=accepts)  # fmt: skip
+    conn.send(("ready", None))
     while True:
         try:
             payload = conn.recv_bytes()

@@ -50,3 +50,23 @@ async def test_subproc_env_errors_and_timeouts(tmp_path: Path) -> None:
     finally:
         await executor.close()
     assert not executor.all
+
+
+async def test_worker_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
+    import pytest
+
+    from pipeline.rollout.agents import AgentError
+
+    path = tmp_path / "worker_hostile.py"
+    path.write_text("import multiprocessing\n"
+                    "if multiprocessing.parent_process() is not None:\n"
+                    "    raise RuntimeError('this module refuses to load in a worker')\n"
+                    "class Agent:\n    def run(self, data, **kw):\n        return 1.0\n")  # fmt: skip
+    executor = SubprocExecutor(resolve_agent(f"{path}:Agent", mode="subproc"), workers=2)
+    ctx = RunContext("http://127.0.0.1:1", SessionInfo("s", "k"), 1.0)
+    try:
+        for _ in range(2):  # every waiter is told, not only the first
+            with pytest.raises(AgentError, match=r"(?s)failed to start.*refuses to load in a worker"):
+                await executor.run({}, ctx, timeout_s=60)
+    finally:
+        await executor.close()
