@@ -7,7 +7,8 @@ Work: R requests with prompts of 8–40 tokens (fixed seed), each generating exa
   max batch 64), driven over HTTP by `EngineClient` with at most C requests in flight;
 * ceiling: `model.generate` in this process on the same prompts in batches of C (left-padded),
   `min_new_tokens = max_new_tokens = T`, sampling, scores kept (the engine computes logprobs too);
-* vLLM (only when `.vllm-venv` exists): the `vllm` backend (vLLM CPU server + our adapter) on the
+* vLLM (only when `.vllm-venv` exists): the `vllm` backend (vLLM CPU server with `--enforce-eager`,
+  since its torch.compile warm-up takes minutes on a shared CPU, + our adapter) on the
   same requests through the same client.
 
 Tokens/s counts generated tokens only. The ratio server/ceiling is printed per concurrency; the
@@ -142,7 +143,8 @@ def bench_vllm(model_dir: Path, prompts: list[list[int]], tokens: int, workdir: 
 
     port = free_port()
     config = load_config(None, [f"model.path={model_dir}", "inference.backend=vllm", f"inference.python={venv_python}",
-                                "model.max_context=2048", "inference.max_batch_size=64"])  # fmt: skip
+                                "model.max_context=2048", "inference.max_batch_size=64",
+                                "inference.extra_args=[--enforce-eager]"])  # fmt: skip
     specs = vllm_procs(config, host="127.0.0.1", port=port, model_path=str(model_dir), version=0)
     procs: list[subprocess.Popen[bytes]] = []
     try:

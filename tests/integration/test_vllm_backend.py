@@ -64,6 +64,7 @@ def vllm_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             "model.max_context=512",
             f"inference.python={vllm_venv_python()}",
             "inference.max_batch_size=16",
+            "inference.extra_args=[--enforce-eager]",  # torch.compile warm-up takes minutes on a busy CPU
         ],
     )
     specs = vllm_procs(config, host="127.0.0.1", port=port, model_path=str(tiny_model_dir), version=0)
