@@ -368,3 +368,60 @@ def test_logprobs_are_finite(server: ServerHandle):
         },
     ).json()
     assert all(math.isfinite(v) and v <= 0 for v in lp_values(data))
+
+
+def test_fuzzed_generate_bodies_never_get_a_5xx(server: ServerHandle):
+    """Random (mostly wrong) bodies: every answer is a 200 or a 4xx with a message, and the server stays up."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    scalar = st.one_of(
+        st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=True), st.text(max_size=5)
+    )
+    token_lists = st.lists(st.integers(-5, 700), max_size=6)
+    sampling = st.dictionaries(
+        st.sampled_from(
+            [
+                "max_new_tokens",
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "n",
+                "stop",
+                "stop_token_ids",
+                "ignore_eos",
+                "bogus",
+                "repetition_penalty",
+            ]
+        ),
+        st.one_of(scalar, token_lists, st.integers(0, 3)),
+        max_size=4,
+    )
+    body = st.fixed_dictionaries(
+        {},
+        optional={
+            "input_ids": st.one_of(scalar, token_lists, st.lists(token_lists, max_size=3)),
+            "text": st.one_of(scalar, st.text(max_size=10)),
+            "sampling_params": st.one_of(scalar, sampling),
+            "return_logprob": scalar,
+            "stream": st.booleans(),
+            "rid": scalar,
+        },
+    )
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body)
+    def check(payload: dict[str, Any]) -> None:
+        sp = payload.get("sampling_params")
+        if isinstance(sp, dict) and isinstance(sp.get("max_new_tokens"), int):
+            sp["max_new_tokens"] = min(sp["max_new_tokens"], 4)  # keep the accepted ones short
+        elif isinstance(sp, dict) or sp is None:
+            payload["sampling_params"] = {**(sp or {}), "max_new_tokens": 2}
+        resp = httpx.post(server.url + "/generate", json=payload, timeout=60)
+        assert resp.status_code in (200, 400), (payload, resp.status_code, resp.text)
+        if resp.status_code == 400:
+            assert resp.json()["error"]["message"]
+
+    check()
+    assert httpx.get(server.url + "/health").status_code == 200
