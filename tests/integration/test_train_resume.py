@@ -84,7 +84,8 @@ def test_kill_9_then_resume_equals_uninterrupted_and_step_rerun_is_exact(make_tr
         if condition == "after_step_1":  # it resumed from version 2 rather than starting over
             assert "starting from version 2" in paths.stage_log("train", 2).read_text()
             steps = [json.loads(line)["step"] for line in paths.train_metrics.read_text().splitlines()]
-            assert steps.count(0) == 1 and steps.count(1) == 1 and steps[-1] == 3
+            # steps 0-1 were not trained again (step 1's line is lost if the kill beat its metrics write)
+            assert steps.count(0) == 1 and steps.count(1) <= 1 and steps[-2:] == [2, 3]
         assert not [p for p in paths.checkpoints.iterdir() if p.name.endswith(".tmp")]
 
     # --step 1 on the finished reference run: version 2 is rewritten, bit for bit the same.
