@@ -197,10 +197,16 @@ class SubprocExecutor:
     async def _await_ready(self, worker: _Worker) -> None:
         try:
             status, value = await asyncio.wait_for(_recv(worker.conn), self.startup_timeout_s)
-        except (TimeoutError, EOFError, OSError) as exc:
-            pid, code = worker.process.pid, worker.process.exitcode
-            status, value = "init_error", (f"worker process {pid} did not report ready within "
-                                           f"{self.startup_timeout_s:g}s (exit code {code}): {exc!r}")
+        except TimeoutError:
+            status, value = "init_error", (f"worker process {worker.process.pid} did not report ready within "
+                                           f"{self.startup_timeout_s:g}s")  # fmt: skip
+        except (EOFError, OSError) as exc:
+            await asyncio.to_thread(worker.process.join, 5)
+            status, value = "init_error", (
+                f"worker process {worker.process.pid} exited during start-up (exit code {worker.process.exitcode}, "
+                f"{exc!r}); its traceback is on stderr. A spawned worker re-imports the main script: if you start "
+                "the rollout from your own script, guard it with `if __name__ == '__main__':`"
+            )
         if status == "ready":
             self.idle.put_nowait(worker)
             return
