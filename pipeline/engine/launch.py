@@ -148,7 +148,7 @@ def _start(
         host=socket.gethostname(),
         pid=procs[-1].pid,
         started_at=time.time(),
-        tp_size=inf.tp_size,
+        tp_size=1 if inf.backend == "hf" else inf.tp_size,  # the hf engine has no tensor parallelism
     )
     log.info(
         "started %s server %d on port %d (pids %s, log %s)", inf.backend, index, port, [p.pid for p in procs], log_path

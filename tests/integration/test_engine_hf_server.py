@@ -370,6 +370,7 @@ def test_logprobs_are_finite(server: ServerHandle):
     assert all(math.isfinite(v) and v <= 0 for v in lp_values(data))
 
 
+@pytest.mark.slow
 def test_fuzzed_generate_bodies_never_get_a_5xx(server: ServerHandle):
     """Random (mostly wrong) bodies: every answer is a 200 or a 4xx with a message, and the server stays up."""
     from hypothesis import HealthCheck, given, settings
