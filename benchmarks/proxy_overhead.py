@@ -108,7 +108,8 @@ async def _run(kind: str, urls: dict[str, str], concurrency: int, total: int, tu
 
         async def proxy_worker() -> None:
             while counter["left"] > 0:
-                async with http.post(urls["proxy"] + "/rl/start_session", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+                admin = {"Authorization": f"Bearer {ADMIN}"}
+                async with http.post(urls["proxy"] + "/rl/start_session", headers=admin) as r:
                     key = (await r.json())["api_key"]
                 headers = {"Authorization": f"Bearer {key}"}
                 messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a helpful assistant."},
@@ -153,9 +154,10 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     model_dir = args.model_dir or str(make_tiny_model(Path(tmp.name) / "tiny", template="qwen"))
     tok = AutoTokenizer.from_pretrained(model_dir)
-    output = tok.encode("The answer is 42.", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
-    prompt_ids = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=True)["input_ids"]  # fmt: skip
+    output = [*tok.encode("The answer is 42.", add_special_tokens=False), tok.convert_tokens_to_ids("<|im_end|>")]
+    prompt_text = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}], add_generation_prompt=True,
+                                          tokenize=False)  # fmt: skip
+    prompt_ids: list[int] = tok.encode(str(prompt_text), add_special_tokens=False)
     eport, pport = _free_port(), _free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     procs = [subprocess.Popen([sys.executable, str(HERE / "instant_engine.py"), "--port", str(eport),

@@ -62,7 +62,8 @@ async def test_keys_and_isolation(http: httpx.AsyncClient) -> None:
     # client keys: start and reward their own sessions; others' sessions look absent; no export
     mine = await _start(http, _key("client-a"))
     assert (await _chat(http, mine["api_key"])).status_code == 200
-    ok = await http.post("/rl/set_reward", headers=_key("client-a"), json={"reward": 0.5, "session_id": mine["session_id"]})
+    own = {"reward": 0.5, "session_id": mine["session_id"]}
+    ok = await http.post("/rl/set_reward", headers=_key("client-a"), json=own)
     assert ok.status_code == 200, ok.text
     for sid in (a["session_id"], mine["session_id"]):
         key = "client-b" if sid == mine["session_id"] else "client-a"
@@ -111,7 +112,8 @@ async def test_rewards_discount_and_aliases(http: httpx.AsyncClient) -> None:
     msgs += [first["choices"][0]["message"], {"role": "user", "content": "more"}]
     second = (await http.post(CHAT, headers=_key(s["api_key"]), json={"messages": msgs, "max_tokens": 2})).json()
     h = _key(s["api_key"])
-    assert (await http.post("/rl/set_reward", headers=h, json={"reward": 0.25, "interaction_id": first["id"]})).status_code == 200
+    r = await http.post("/rl/set_reward", headers=h, json={"reward": 0.25, "interaction_id": first["id"]})
+    assert r.status_code == 200
     r = await http.post("/rl/set_reward", headers=h, json={"reward": 1, "interaction_id": "nope"})
     assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
     r = await http.post("/rl/v1/set_reward", headers=h, json={"completion_id": second["id"], "reward": 0.5})
@@ -160,9 +162,9 @@ async def test_bad_input_is_a_4xx_in_each_apis_shape(http: httpx.AsyncClient) ->
         error = r.json()["error"]
         assert needle in error["message"] and error["type"], (path, error)
     # Anthropic shape on /v1/messages, including FastAPI's own validation errors
+    prefilled = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     for body, needle in (({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
-                         ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"},
-                                                         {"role": "assistant", "content": "y"}]}, "prefill")):  # fmt: skip
+                         ({"max_tokens": 5, "messages": prefilled}, "prefill")):
         r = await http.post("/v1/messages", headers={"x-api-key": s["api_key"]}, json=body)
         assert r.status_code == 400 and r.json()["type"] == "error", r.text
         assert needle in r.json()["error"]["message"]

@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
 EXAMPLES = int(os.environ.get("ARL_FUZZ_EXAMPLES", "100"))
+SUPPRESSED = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
 ADMIN_PATHS = {"/grant_capacity", "/export_trajectories", "/rl/start_session"}
 
 
@@ -123,8 +124,7 @@ def test_no_5xx_and_no_hang(method: str, path: str, mode: str, fuzz_proxy: Threa
     seen: list[int] = []
 
     @given(case=strategy)
-    @settings(max_examples=EXAMPLES, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])  # fmt: skip
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=SUPPRESSED)
     def run(case: Any) -> None:
         key = _key_for(path, fuzz_proxy.url)
         response = case.call(base_url=fuzz_proxy.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)

@@ -126,9 +126,9 @@ def test_sdk_reserialisation_still_extends(tiny_model_dir: Path) -> None:
                          output_logprobs=[0.0] * len(out), output_versions=[0] * len(out), messages=first,
                          response_message=reply)  # fmt: skip
     session.record(parent, prep.keys, message_key(reply), prep.tools_key)
-    resent = {"role": "assistant", "content": None, "refusal": None, "annotations": [],
-              "tool_calls": [{"id": "x", "type": "function", "function": {"name": "add", "arguments": '{"b":2,"a":1}'}},
-                             {"id": "y", "type": "function", "function": {"name": "add", "arguments": '{"a":2, "b":1}'}}]}  # fmt: skip
+    calls = [{"id": "x", "type": "function", "function": {"name": "add", "arguments": '{"b":2,"a":1}'}},
+             {"id": "y", "type": "function", "function": {"name": "add", "arguments": '{"a":2, "b":1}'}}]
+    resent = {"role": "assistant", "content": None, "refusal": None, "annotations": [], "tool_calls": calls}
     nxt = gen.prepare(session, CallSpec(messages=[*first, resent, {"role": "user", "content": "ok"}], tools=TOOLS))
     assert nxt.parent is not None and nxt.parent.id == "p" and not nxt.prefix_break
     assert nxt.prompt_ids[: len(parent.full_ids)] == parent.full_ids
@@ -149,7 +149,8 @@ def test_edited_history_is_a_recorded_break(tiny_model_dir: Path) -> None:
     nxt = gen.prepare(session, CallSpec(messages=edited))
     assert nxt.prefix_break and nxt.break_reason == "history_edited" and nxt.parent is not None
     assert nxt.prompt_ids == gen.tokenizer.prompt_ids(edited, None)
-    other_tools = gen.prepare(session, CallSpec(messages=[*first, reply, {"role": "user", "content": "x"}], tools=TOOLS))
+    extended = [*first, reply, {"role": "user", "content": "x"}]
+    other_tools = gen.prepare(session, CallSpec(messages=extended, tools=TOOLS))
     assert other_tools.prefix_break, "different tools change the rendered prompt: not an extension"
     unrelated = gen.prepare(session, CallSpec(messages=[{"role": "user", "content": "new task"}]))
     assert unrelated.parent is None and not unrelated.prefix_break
@@ -157,7 +158,7 @@ def test_edited_history_is_a_recorded_break(tiny_model_dir: Path) -> None:
 
 def test_segment_cached_encode_equals_plain_encode(tiny_model_dir: Path, tiny_llama_dir: Path) -> None:
     texts = ["<|im_start|>user\nhé日本 <tool_call>{}</tool_call><|im_end|>\n", "  \n\n<think>x</think>", "",
-             "<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\n42<|eot_id|>", "<|im_end|><|im_end|>a"]  # fmt: skip
+             "<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\n42<|eot_id|>", "<|im_end|><|im_end|>a"]
     for model_dir in (tiny_model_dir, tiny_llama_dir):
         tok = ChatTokenizer(model_dir)
         for text in texts * 2:  # the second pass hits the cache
