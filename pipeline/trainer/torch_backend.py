@@ -63,7 +63,7 @@ class TorchBackend:
         opt = self.config.trainer.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
-            fused=self.device.type == "cuda",
+            fused=self.device.type == "cuda", foreach=self.device.type != "cuda",  # CPU: batched, not per tensor
         )  # fmt: skip
         self.scheduler = make_scheduler(self.optimizer, opt, self.total_updates)
         if state is not None:
