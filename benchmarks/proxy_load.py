@@ -205,10 +205,12 @@ async def _call(client: Any, messages: list[dict[str, Any]], max_tokens: int, st
     if not stream:
         reply = await client.chat.completions.create(model="arl-policy", messages=messages, tools=TOOLS,
                                                      max_tokens=max_tokens, temperature=1.0)  # fmt: skip
-        message = reply.choices[0].message.model_dump(exclude_none=True)
+        kept = reply.choices[0].message.model_dump(exclude_none=True)
         usage = reply.usage
-        return message, Call(reply.id, usage.prompt_tokens, usage.completion_tokens, time.perf_counter() - started)
-    content, calls, cid, usage = [], {}, "", None
+        return kept, Call(reply.id, usage.prompt_tokens, usage.completion_tokens, time.perf_counter() - started)
+    content: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
+    cid, usage = "", None
     chunks = await client.chat.completions.create(model="arl-policy", messages=messages, tools=TOOLS, stream=True,
                                                   max_tokens=max_tokens, temperature=1.0,
                                                   stream_options={"include_usage": True})  # fmt: skip

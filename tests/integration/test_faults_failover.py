@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pipeline.engine.client import EngineClient, EngineError
+from pipeline.engine.client import EngineClient, EngineError, GenerateResult
 from pipeline.paths import RunPaths
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,14 +82,33 @@ async def test_client_fails_over_when_a_server_is_killed_mid_request(two_servers
         proc_a.wait(timeout=30)
         done = await asyncio.wait_for(asyncio.gather(*plain, *streams, return_exceptions=True), timeout=300)
     for result in done[:2]:  # a non-streamed request restarts on the live server and completes
-        assert not isinstance(result, BaseException), result
+        assert isinstance(result, GenerateResult), repr(result)
         assert result.server == url_b and len(result.output_ids) == LONG["max_new_tokens"]
-    for result in done[2:]:  # a stream either completes (it was on B) or fails with a clear error
+    for result in done[2:]:  # a stream either completes (it was on B, or had no token yet) or fails clearly
         if isinstance(result, BaseException):
             assert isinstance(result, EngineError) and url_a in str(result), repr(result)
         else:
-            assert len(result) == LONG["max_new_tokens"]
-    assert any(isinstance(r, BaseException) for r in done[2:]) or all(len(r) == 600 for r in done[2:])
+            assert isinstance(result, list) and len(result) == LONG["max_new_tokens"]
+
+
+@pytest.mark.xfail(strict=True, reason="pipeline/engine/client.py EngineClient: aiohttp keeps idle connections 15 s "
+                   "(TCPConnector default) but uvicorn/SGLang servers close them after 5 s; when the client's loop is "
+                   "busy as the server closes one (a load spike), the next request goes out on the dead connection, "
+                   "gets ServerDisconnectedError, and with one server the request fails (503 to the agent; with two it "
+                   "marks a healthy server down). Seen 7x in 32 sessions of test_load.py. Fix: "
+                   "TCPConnector(keepalive_timeout=~2 s) below the servers' keep-alive, and retry once on the same "
+                   "server when a reused connection fails before any response byte")  # fmt: skip
+async def test_a_request_after_the_servers_keep_alive_expired_is_not_lost(tiny_model_dir: Path) -> None:
+    from pipeline.engine.testing import start_hf_server
+
+    with start_hf_server(tiny_model_dir) as server:
+        async with EngineClient([server.url], health_interval_s=0) as client:
+            await client.generate([5, 6], {"max_new_tokens": 2, "ignore_eos": True})
+            # This loop is busy (the proxy under load) while the server's 5 s keep-alive closes the idle
+            # connection; the server runs on its own thread and loop, so it does close it meanwhile.
+            time.sleep(5.5)
+            result = await client.generate([5, 6], {"max_new_tokens": 2, "ignore_eos": True})
+    assert len(result.output_ids) == 2
 
 
 AGENT = '''
