@@ -62,6 +62,8 @@ class Prepared:
     prefill: str
     tool_parser: str
     max_new_tokens: int
+    prompt_text: str | None = None
+    """The rendered conversation (without prefill), cached on the node for the next turn's fast path."""
 
 
 @dataclass
@@ -109,22 +111,28 @@ class Generator:
         keys = [message_key(m) for m in spec.messages]
         tkey = tools_key(render_tools)
         match = session.find_parent(keys, tkey)
-        parent, prompt_ids, reason = match.parent, None, None
+        parent, prompt_ids, reason, text = match.parent, None, None, None
         if parent is not None and match.exact:
-            ext = self.tokenizer.extend(spec.messages, render_tools, match.prefix_len, parent.output_ids, prefill)
+            cached = session.prompt_text(parent.id)
+            if cached is not None and spec.messages[: match.prefix_len - 1] != parent.messages:
+                cached = None  # the fast path needs the very messages the cached text was rendered from
+            ext = self.tokenizer.extend(spec.messages, render_tools, match.prefix_len, parent.output_ids, prefill,
+                                        parent_text=cached)  # fmt: skip
             if ext is not None:
                 prompt_ids = [*parent.prompt_ids, *parent.output_ids, *ext.suffix_ids]
+                text = ext.full_text
             else:
                 reason = "template_not_prefix_stable"
         elif parent is not None:
             reason = "history_edited"
         if prompt_ids is None:
-            prompt_ids = self.tokenizer.prompt_ids(spec.messages, render_tools, prefill)
+            text = self.tokenizer.render(spec.messages, render_tools, add_generation_prompt=True)
+            prompt_ids = self.tokenizer.encode(text + prefill)
         room = check_context(len(prompt_ids), self.model.max_context)
         wanted = spec.max_tokens if spec.max_tokens is not None else self.proxy.default_max_tokens
         max_new = max(1, min(wanted, self.proxy.max_tokens_limit, room))
         return Prepared(prompt_ids, parent, reason is not None, reason, keys, tkey, render_tools, prefill,
-                        tool_parser, max_new)  # fmt: skip
+                        tool_parser, max_new, text)  # fmt: skip
 
     def _tools(self, spec: CallSpec) -> tuple[list[dict] | None, str, str]:
         """(tools to render, assistant prefill, tool parser name) for the tool_choice."""
@@ -306,7 +314,7 @@ class Generator:
             parent_id=prep.parent.id if prep.parent is not None else None, prefix_break=prep.prefix_break,
             finish_reason=finish, created_at=time.time(), metadata=metadata,
         )  # fmt: skip
-        session.record(interaction, prep.keys, message_key(response), prep.tools_key)
+        session.record(interaction, prep.keys, message_key(response), prep.tools_key, prep.prompt_text)
         return Completion(index, interaction, parsed, finish, stop_string, len(prep.prompt_ids), len(output_ids))
 
 

@@ -63,6 +63,7 @@ class _Node:
     full_hash: int
     request_hash: int
     tools: str
+    prompt_text: str | None = None  # the full render, kept only while the node has no child (memory)
 
 
 @dataclass
@@ -85,6 +86,7 @@ class Session:
     inflight: int = 0
     prefix_breaks: int = 0
     nodes: list[_Node] = field(default_factory=list)
+    by_id: dict[str, _Node] = field(default_factory=dict)
     completions: dict[str, list[str]] = field(default_factory=dict)  # API response id -> interaction ids
     responses: dict[str, Any] = field(default_factory=dict)  # Responses API: response id -> stored chain
 
@@ -121,13 +123,22 @@ class Session:
                 best, best_len = node, shared
         return ParentMatch(best.interaction if best else None, 0, exact=False)
 
+    def prompt_text(self, interaction_id: str) -> str | None:
+        node = self.by_id.get(interaction_id)
+        return node.prompt_text if node is not None else None
+
     def record(self, interaction: Interaction, request_keys: list[MessageKey], response_key: MessageKey,
-               tools: str) -> None:  # fmt: skip
+               tools: str, prompt_text: str | None = None) -> None:  # fmt: skip
         """Add a finished interaction to the tree and to the parent-matching index."""
         self.tree.add(interaction)
         full = (*request_keys, response_key)
-        self.nodes.append(_Node(interaction, tuple(request_keys), full, prefix_hashes(full)[-1],
-                                prefix_hashes(request_keys)[-1], tools))  # fmt: skip
+        node = _Node(interaction, tuple(request_keys), full, prefix_hashes(full)[-1], prefix_hashes(request_keys)[-1],
+                     tools, prompt_text)  # fmt: skip
+        self.nodes.append(node)
+        self.by_id[interaction.id] = node
+        parent = self.by_id.get(interaction.parent_id or "")
+        if parent is not None:
+            parent.prompt_text = None
         if interaction.prefix_break:
             self.prefix_breaks += 1
 

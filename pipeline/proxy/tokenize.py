@@ -36,6 +36,22 @@ from pipeline.proxy.errors import ApiError, bad_request
 from pipeline.proxy.messages import Message
 
 _SENTINEL = "\x00ARL_SENTINEL\x00"
+_PROBE_USER = [{"role": "user", "content": "u"}]
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+_PROBE_CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+_PROBE_REPLIES: list[dict[str, Any]] = [
+    {"role": "assistant", "content": "a"},
+    {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]},
+    {"role": "assistant", "content": "b", "reasoning_content": "r", "tool_calls": [_PROBE_CALL, _PROBE_CALL]},
+]
+_PROBE_CONTEXTS: list[tuple[list[dict], list[dict] | None]] = [
+    ([{"role": "user", "content": "q"}], None),
+    ([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}], _PROBE_TOOLS),
+    ([{"role": "user", "content": "q"},
+      {"role": "assistant", "content": "", "reasoning_content": "t", "tool_calls": [_PROBE_CALL]},
+      {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}], _PROBE_TOOLS),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}], None),
+]  # fmt: skip
 _CACHE_ENTRIES = 8192
 _CACHE_MAX_CHARS = 65536  # pieces longer than this are encoded but not cached
 
@@ -48,6 +64,8 @@ class Extension:
     """Tokens after the earlier prompt + output: the unsampled rest of the turn close + new messages."""
     close_tail: str
     """The part of the template's turn close the model did not generate (Qwen: "\\n")."""
+    full_text: str
+    """The rendered conversation with its generation prompt (kept for the next turn's fast path)."""
 
 
 class ChatTokenizer:
@@ -73,6 +91,9 @@ class ChatTokenizer:
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
         self.stop_token_ids = _stop_token_ids(self.hf, Path(model_dir or self.path))
         self.close_text = self._detect_turn_close()
+        self._turns: OrderedDict[str, str] = OrderedDict()
+        self._generation_prompt = ""
+        self.turn_local = self._probe_turn_local()
 
     # -- rendering ------------------------------------------------------------------------
     def render(self, messages: Sequence[Message], tools: Sequence[dict] | None, add_generation_prompt: bool) -> str:
@@ -142,20 +163,77 @@ class ChatTokenizer:
         prefix_len: int,
         parent_output_ids: Sequence[int],
         prefill: str = "",
+        parent_text: str | None = None,
     ) -> Extension | None:
         """The suffix tokens for `messages`, whose first `prefix_len` messages end with the returned
         assistant message of an interaction that generated `parent_output_ids`.
+
+        `parent_text` is the parent's own full render (its messages + generation prompt), given when
+        `messages[:prefix_len - 1]` are exactly the parent's messages: with a turn-local template the
+        prefix render is then built from it without rendering the history again.
 
         Returns None when the template is not prefix-stable for this conversation (rendering the
         longer conversation changes earlier text); the caller then re-renders in full and records
         a prefix break.
         """
-        prefix_text = self.render(messages[:prefix_len], tools, add_generation_prompt=False)
         full_text = self.render(messages, tools, add_generation_prompt=True)
+        prefix_text = None
+        if parent_text is not None and self.turn_local:
+            prefix_text = self._prefix_from_parent(parent_text, messages[prefix_len - 1])
+            if prefix_text is not None and not full_text.startswith(prefix_text):
+                prefix_text = None
+        if prefix_text is None:
+            prefix_text = self.render(messages[:prefix_len], tools, add_generation_prompt=False)
         if not full_text.startswith(prefix_text) or not prefix_text.endswith(self.close_text):
             return None
         tail = self.close_tail(parent_output_ids)
-        return Extension(self.encode(tail + full_text[len(prefix_text) :] + prefill), tail)
+        return Extension(self.encode(tail + full_text[len(prefix_text) :] + prefill), tail, full_text)
+
+    # -- the one-render fast path -------------------------------------------------------------
+    def _prefix_from_parent(self, parent_text: str, assistant: Message) -> str | None:
+        """render(parent messages + assistant) from the parent's render, for a turn-local template."""
+        head = self._generation_prompt
+        turn = self.assistant_turn(assistant)
+        if turn is None or not head or not parent_text.endswith(head):
+            return None
+        return parent_text[: len(parent_text) - len(head)] + turn
+
+    def assistant_turn(self, assistant: Message) -> str | None:
+        """The text of one assistant turn (header to close) as the template renders it after a user turn."""
+        key = json.dumps(assistant, sort_keys=True, ensure_ascii=False)
+        cached = self._turns.get(key)
+        if cached is not None:
+            return cached
+        before = self.render(_PROBE_USER, None, add_generation_prompt=False)
+        after = self.render([*_PROBE_USER, assistant], None, add_generation_prompt=False)
+        if not after.startswith(before):
+            return None
+        turn = after[len(before) :]
+        self._turns[key] = turn
+        if len(self._turns) > _CACHE_ENTRIES:
+            self._turns.popitem(last=False)
+        return turn
+
+    def _probe_turn_local(self) -> bool:
+        """Does an assistant turn render the same whatever comes before it (checked on varied contexts)?
+
+        Templates that rewrite earlier turns depending on later ones (e.g. dropping old reasoning)
+        fail this and always take the two-render path, which is exact for any template.
+        """
+        self._generation_prompt = ""
+        try:
+            head = self.render(_PROBE_USER, None, True)[len(self.render(_PROBE_USER, None, False)) :]
+            self._generation_prompt = head
+            for context, tools in _PROBE_CONTEXTS:
+                for reply in _PROBE_REPLIES:
+                    turn = self.assistant_turn(reply)
+                    gen = self.render(context, tools, add_generation_prompt=True)
+                    full = self.render([*context, reply], tools, add_generation_prompt=False)
+                    if turn is None or not gen.endswith(head) or full != gen[: len(gen) - len(head)] + turn:
+                        return False
+        except ApiError:
+            return False
+        return True
 
     def close_tail(self, output_ids: Sequence[int]) -> str:
         """The part of the turn close the model did not sample, given what it generated."""

@@ -65,10 +65,13 @@ def _model_output(tok: ChatTokenizer, history: list[dict], reply: dict, ended: b
 
 @pytest.mark.parametrize("template", ["qwen", "llama3"])
 @pytest.mark.parametrize("ended", [True, False], ids=["eos", "length"])
-def test_extended_prompts_equal_full_renders(template: str, ended: bool, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("fast", [True, False], ids=["one-render", "two-renders"])
+def test_extended_prompts_equal_full_renders(template: str, ended: bool, fast: bool,
+                                             request: pytest.FixtureRequest) -> None:  # fmt: skip
     model_dir = request.getfixturevalue("tiny_model_dir" if template == "qwen" else "tiny_llama_dir")
     gen, store = _setup(model_dir)
     tok = gen.tokenizer
+    assert tok.turn_local, "both test templates render an assistant turn independently of what precedes it"
     session = store.start("admin", None, None)
     messages: list[dict] = []
     previous: Interaction | None = None
@@ -95,7 +98,8 @@ def test_extended_prompts_equal_full_renders(template: str, ended: bool, request
                                output_logprobs=[-0.1] * len(output), output_versions=[0] * len(output),
                                messages=list(messages), response_message=reply,
                                parent_id=prep.parent.id if prep.parent else None)  # fmt: skip
-        session.record(previous, prep.keys, message_key(reply), prep.tools_key)
+        # the rendered text is kept for the next turn's one-render fast path (used when the template is turn-local)
+        session.record(previous, prep.keys, message_key(reply), prep.tools_key, prep.prompt_text if fast else None)
     rows = session.tree.export("concat", 1.0, step=0)
     assert len(rows) == 1 and rows[0]["num_turns"] == len(TURNS)
 
@@ -106,6 +110,31 @@ def test_qwen_newline_after_im_end_goes_to_the_suffix(tiny_model_dir: Path) -> N
     im_end = tok.encode("<|im_end|>")
     assert tok.close_tail(tok.encode("hi") + im_end) == "\n"
     assert tok.close_tail(tok.encode("hi")) == "<|im_end|>\n"  # length stop: the model never closed the turn
+
+
+def test_context_dependent_template_takes_the_two_render_path(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """An assistant header that numbers the message is not turn-local: the fast path is off, and the
+    exact two-render path still extends token-exactly."""
+    original = ChatTokenizer(tiny_model_dir).template_text
+    header = "'<|im_start|>' + message.role + '\\n' }}"
+    assert original.count(header) == 1
+    path = tmp_path / "numbered.jinja"
+    path.write_text(original.replace(header, "'<|im_start|>' + message.role + (loop.index0 | string) + '\\n' }}"))
+    model = ModelConfig(path=str(tiny_model_dir), chat_template=str(path))
+    tok = ChatTokenizer(tiny_model_dir, chat_template=path)
+    assert tok.turn_local is False
+    gen, store = Generator(tok, EngineClient([]), model, ProxyConfig()), SessionStore(ProxyConfig(), "admin")
+    session = store.start("admin", None, None)
+    first = [{"role": "user", "content": "hi"}]
+    prep = gen.prepare(session, CallSpec(messages=first))
+    reply = {"role": "assistant", "content": "yo"}
+    out = tok.encode("yo<|im_end|>")
+    parent = Interaction(id="p", session_id=session.id, prompt_ids=prep.prompt_ids, output_ids=out,
+                         output_logprobs=[0.0] * len(out), output_versions=[0] * len(out), messages=first,
+                         response_message=reply)  # fmt: skip
+    session.record(parent, prep.keys, message_key(reply), prep.tools_key, prep.prompt_text)
+    nxt = gen.prepare(session, CallSpec(messages=[*first, reply, {"role": "user", "content": "more"}]))
+    assert not nxt.prefix_break and nxt.prompt_ids[: len(parent.full_ids)] == parent.full_ids
 
 
 def test_llama3_has_no_tail_after_eot(tiny_llama_dir: Path) -> None:
