@@ -50,7 +50,8 @@ _PROBE_CONTEXTS: list[tuple[list[dict], list[dict] | None]] = [
     ([{"role": "user", "content": "q"},
       {"role": "assistant", "content": "", "reasoning_content": "t", "tool_calls": [_PROBE_CALL]},
       {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}], _PROBE_TOOLS),
-    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}], None),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+      {"role": "user", "content": "q2"}], None),
 ]  # fmt: skip
 _CACHE_ENTRIES = 8192
 _CACHE_MAX_CHARS = 65536  # pieces longer than this are encoded but not cached
