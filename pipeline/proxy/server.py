@@ -25,7 +25,15 @@ from pipeline.engine.client import EngineClient
 from pipeline.proxy import anthropic_messages, openai_chat, openai_responses, rl
 from pipeline.proxy.core import Generator
 from pipeline.proxy.errors import ApiError
-from pipeline.proxy.http import BodyLimit, install_error_handlers, json_response, presented_key
+from pipeline.proxy.http import (
+    BodyLimit,
+    body_doc,
+    document_bodies,
+    install_error_handlers,
+    json_response,
+    parse_body,
+    presented_key,
+)
 from pipeline.proxy.parsers import check_parser_names
 from pipeline.proxy.sessions import Caller, Session, SessionStore
 from pipeline.proxy.streaming import SSE_HEADERS
@@ -175,8 +183,10 @@ def build_app(proxy: ProxyServer) -> FastAPI:
     async def start_session(caller: Caller = any_key, body: StartSessionRequest | None = None) -> Response:
         return json_response(rl.start_session(proxy.store, caller, body))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, session: Session = session_call) -> Response:
+    # The LLM routes parse their bodies themselves (the hot path; see http.parse_body).
+    @app.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
+    async def chat_completions(request: Request, session: Session = session_call) -> Response:
+        body = await parse_body(request, ChatCompletionRequest)
         spec = openai_chat.to_spec(body)
         cid, ids = openai_chat.new_ids(spec.n)
         session.completions[cid] = ids
@@ -186,12 +196,14 @@ def build_app(proxy: ProxyServer) -> FastAPI:
         done = await proxy.generator.complete(session, spec, ids)
         return json_response(openai_chat.response_body(cid, served, body, done, proxy.tokenizer))
 
-    @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, session: Session = session_call) -> Response:
+    @app.post("/v1/responses", openapi_extra=body_doc(ResponsesRequest))
+    async def responses(request: Request, session: Session = session_call) -> Response:
+        body = await parse_body(request, ResponsesRequest)
         return await openai_responses.handle(proxy.generator, session, body, served)
 
-    @app.post("/v1/messages")
-    async def messages(body: MessagesRequest, session: Session = session_call) -> Response:
+    @app.post("/v1/messages", openapi_extra=body_doc(MessagesRequest))
+    async def messages(request: Request, session: Session = session_call) -> Response:
+        body = await parse_body(request, MessagesRequest)
         return await anthropic_messages.handle(proxy.generator, session, body, served)
 
     @app.post("/rl/set_reward")
@@ -214,6 +226,7 @@ def build_app(proxy: ProxyServer) -> FastAPI:
     async def any_agent_finalize(body: AnyAgentFinalize, caller: Caller = Depends(proxy.session_caller)) -> Response:
         return json_response(rl.finalize(proxy.store, caller, body))
 
+    document_bodies(app, [ChatCompletionRequest, ResponsesRequest, MessagesRequest])
     return app
 
 

@@ -33,7 +33,7 @@ class FunctionTool(Loose):
     strict: bool | None = None
 
 
-class NamedToolChoice(Loose):
+class ResponsesNamedToolChoice(Loose):
     type: Literal["function"]
     name: str = Field(min_length=1)
 
@@ -43,7 +43,7 @@ class ResponsesRequest(Loose):
     input: str | list[InputItem]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     max_output_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
