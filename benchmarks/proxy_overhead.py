@@ -146,6 +146,7 @@ def main() -> None:
         serve_proxy(args.serve_proxy[0], args.serve_proxy[1], int(args.serve_proxy[2]))
         return
     sys.path.insert(0, str(REPO))
+    import psutil
     import uvloop
     from transformers import AutoTokenizer
 
@@ -169,10 +170,15 @@ def main() -> None:
         _wait_http(urls["engine"] + "/health")
         _wait_http(urls["proxy"] + "/health")
         results: dict[str, Any] = {}
+        proxy_proc = psutil.Process(procs[1].pid)
         for conc in (1, 64):
             for kind in ("floor", "engine", "proxy"):
                 uvloop.run(_run(kind, urls, conc, max(50, args.requests // 10), args.turns, prompt_ids))  # warm-up
-                results[f"{kind}_c{conc}"] = uvloop.run(_run(kind, urls, conc, args.requests, args.turns, prompt_ids))
+                cpu0 = sum(proxy_proc.cpu_times()[:2])
+                result = uvloop.run(_run(kind, urls, conc, args.requests, args.turns, prompt_ids))
+                # CPU the proxy process spent per request: unlike latency, barely affected by other load
+                result["proxy_cpu_ms_per_req"] = 1000 * (sum(proxy_proc.cpu_times()[:2]) - cpu0) / result["n"]
+                results[f"{kind}_c{conc}"] = result
         _report(results)
     finally:
         for proc in procs:
@@ -183,9 +189,10 @@ def main() -> None:
 
 
 def _report(results: dict[str, Any]) -> None:
-    print(f"{'measurement':<14}{'p50 ms':>10}{'p99 ms':>10}{'req/s':>10}")
+    print(f"{'measurement':<14}{'p50 ms':>10}{'p99 ms':>10}{'req/s':>10}{'proxy CPU ms/req':>18}")
     for name, r in results.items():
-        print(f"{name:<14}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['per_s']:>10.0f}")
+        cpu = r["proxy_cpu_ms_per_req"] if not name.startswith("engine") else float("nan")
+        print(f"{name:<14}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['per_s']:>10.0f}{cpu:>18.3f}")
     summary: dict[str, Any] = {"results": results}
     for conc in (1, 64):
         p, e, f = results[f"proxy_c{conc}"], results[f"engine_c{conc}"], results[f"floor_c{conc}"]
@@ -198,6 +205,11 @@ def _report(results: dict[str, Any]) -> None:
               f"({summary[f'latency_ratio_p50_c{conc}']:.2f}x the direct engine call), "
               f"{summary[f'added_p99_ms_c{conc}']:.2f} ms at p99; {p['per_s']:.0f} completions/s through the proxy "
               f"vs {e['per_s']:.0f}/s direct ({summary[f'throughput_ratio_c{conc}']:.2f}x)")  # fmt: skip
+    cpu = results["proxy_c64"]["proxy_cpu_ms_per_req"]
+    summary["proxy_cpu_ms_per_completion"] = cpu
+    summary["completions_per_s_per_proxy_core"] = 1000 / cpu if cpu > 0 else None
+    print(f"proxy CPU per completion: {cpu:.3f} ms -> {1000 / cpu:.0f} completions/s per core of proxy CPU "
+          f"(the floor endpoint costs {results['floor_c64']['proxy_cpu_ms_per_req']:.3f} ms)")  # fmt: skip
     summary["target_added_p50_c1_ms"] = 2.0
     summary["target_completions_per_s_c64"] = 500
     summary["meets_targets"] = summary["added_p50_ms_c1"] <= 2.0 and results["proxy_c64"]["per_s"] >= 500
