@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -64,8 +65,18 @@ async def until(predicate: Any, timeout: float = 120.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_client_fails_over_when_a_server_is_killed_mid_request(two_servers: list[Any]) -> None:
-    (url_a, proc_a), (url_b, _) = two_servers
+@dataclass
+class KillOutcome:
+    killed: str
+    survivor: str
+    plain: list[Any]
+    """Results (or exceptions) of the two non-streamed requests."""
+    streams: list[Any]
+    """Token lists (or exceptions) of the two streamed requests."""
+
+
+async def kill_mid_request(url_a: str, proc_a: subprocess.Popen[bytes], url_b: str) -> KillOutcome:
+    """2 plain + 2 streamed long requests over A and B (least-in-flight puts one of each on A); SIGKILL A."""
     async with EngineClient([url_a, url_b], health_interval_s=0, request_timeout_s=300) as client:
 
         async def streamed(ids: list[int]) -> list[int]:
@@ -80,15 +91,43 @@ async def test_client_fails_over_when_a_server_is_killed_mid_request(two_servers
         await until(lambda: busy(url_a) > 0)
         os.kill(proc_a.pid, signal.SIGKILL)  # our own child, by pid
         proc_a.wait(timeout=30)
-        done = await asyncio.wait_for(asyncio.gather(*plain, *streams, return_exceptions=True), timeout=300)
-    for result in done[:2]:  # a non-streamed request restarts on the live server and completes
+        done = await asyncio.wait_for(asyncio.gather(*plain, *streams, return_exceptions=True), timeout=400)
+    return KillOutcome(url_a, url_b, list(done[:2]), list(done[2:]))
+
+
+@pytest.fixture(scope="module")
+def killed_mid_request(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KillOutcome]:
+    harness = load_harness()
+    work = tmp_path_factory.mktemp("kill_mid_request")
+    (url_a, proc_a), (url_b, proc_b) = [harness.start_engine(tiny_model_dir, work / f"engine{i}.log") for i in range(2)]
+    try:
+        yield asyncio.run(kill_mid_request(url_a, proc_a, url_b))
+    finally:
+        for proc in (proc_a, proc_b):
+            if proc.poll() is None:
+                proc.terminate()
+            proc.wait(timeout=30)
+
+
+def test_plain_requests_fail_over_when_a_server_is_killed_mid_request(killed_mid_request: KillOutcome) -> None:
+    for result in killed_mid_request.plain:  # restarted on the live server, complete
         assert isinstance(result, GenerateResult), repr(result)
-        assert result.server == url_b and len(result.output_ids) == LONG["max_new_tokens"]
-    for result in done[2:]:  # a stream either completes (it was on B, or had no token yet) or fails clearly
-        if isinstance(result, BaseException):
-            assert isinstance(result, EngineError) and url_a in str(result), repr(result)
-        else:
-            assert isinstance(result, list) and len(result) == LONG["max_new_tokens"]
+        assert result.server == killed_mid_request.survivor and len(result.output_ids) == LONG["max_new_tokens"]
+    finished = [r for r in killed_mid_request.streams if not isinstance(r, BaseException)]
+    assert finished and all(len(r) == LONG["max_new_tokens"] for r in finished), "the stream on B completes"
+
+
+@pytest.mark.xfail(strict=True, reason="pipeline/engine/client.py EngineClient._stream_from catches only connection "
+                   "errors: a stream cut by a server crash raises aiohttp.ClientPayloadError ('Response payload is "
+                   "not completed') out of generate_stream, not EngineError, and the server is not marked down; the "
+                   "proxy (pipeline/proxy/core.py _stream_one catches EngineError only) then ends the agent's SSE "
+                   "stream without an error event. Fix: treat ClientPayloadError (and aiohttp.ClientError in "
+                   "general) like a connection error in _stream_from")  # fmt: skip
+def test_a_stream_cut_by_a_server_kill_fails_with_an_engine_error(killed_mid_request: KillOutcome) -> None:
+    failed = [r for r in killed_mid_request.streams if isinstance(r, BaseException)]
+    assert failed, "the stream on A was cut mid-way"
+    for error in failed:
+        assert isinstance(error, EngineError) and killed_mid_request.killed in str(error), repr(error)
 
 
 @pytest.mark.xfail(strict=True, reason="pipeline/engine/client.py EngineClient: aiohttp keeps idle connections 15 s "
@@ -128,7 +167,8 @@ class LongCall:
 '''
 
 
-def rollout_run(tmp_path: Path, model_dir: Path, urls: list[str]) -> RunPaths:
+def rollout_run(tmp_path: Path, model_dir: Path, urls: list[str], num_servers: int = 1) -> RunPaths:
+    """A rollout run dir; `urls` are registered by hand (no inference stage) when given."""
     from pipeline.config import dump_config, validate_config
     from pipeline.engine.registry import write_entry
     from schemas.engine_api import InferenceEntry
@@ -138,7 +178,7 @@ def rollout_run(tmp_path: Path, model_dir: Path, urls: list[str]) -> RunPaths:
     data.write_text("".join(json.dumps({"q": f"question {i}", "i": i}) + "\n" for i in range(8)))
     config = validate_config({
         "fileroot": str(tmp_path / "runs"), "num_steps": 2, "model": {"path": str(model_dir)},
-        "inference": {"request_timeout_s": 120},
+        "inference": {"backend": "hf", "device": "cpu", "num_servers": num_servers, "request_timeout_s": 120},
         "rollout": {"agent": f"{tmp_path / 'agent.py'}:LongCall", "dataset": {"path": str(data)}, "batch_size": 4,
                     "group_size": 2, "max_staleness": 5, "max_error_rate": 1.0, "run_timeout_s": 180,
                     "export_style": "individual"},
@@ -153,28 +193,49 @@ def rollout_run(tmp_path: Path, model_dir: Path, urls: list[str]) -> RunPaths:
     return paths
 
 
+def stage(name: str, paths: RunPaths, out: Any = subprocess.PIPE) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "stage", name, "--run-dir", str(paths.root)],
+                            cwd=REPO, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def registered_urls(paths: RunPaths) -> list[str]:
+    return sorted(json.loads(p.read_text())["url"] for p in paths.inference_registry.glob("*.json"))
+
+
 @pytest.mark.slow
-def test_rollout_survives_a_server_killed_mid_step(two_servers: list[Any], tiny_model_dir: Path,
-                                                   tmp_path: Path) -> None:  # fmt: skip
-    (url_a, proc_a), (url_b, _) = two_servers
-    paths = rollout_run(tmp_path, tiny_model_dir, [url_a, url_b])
-    stage = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "stage", "rollout", "--run-dir", str(paths.root)],
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+def test_rollout_survives_a_server_killed_mid_step(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The real inference stage runs two servers; one server process is SIGKILLed while it decodes
+    for the rollout. Its supervisor deregisters it; the rollout's runs on it fail over or are
+    counted as errors; the stage finishes every step exactly once and never hangs."""
+    import psutil
+
+    paths = rollout_run(tmp_path, tiny_model_dir, [], num_servers=2)
+    inference = stage("inference", paths, open(tmp_path / "inference.log", "ab"))  # noqa: SIM115
+    rollout = None
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 300
+        while len(registered_urls(paths)) < 2:
+            assert inference.poll() is None and time.monotonic() < deadline, (tmp_path / "inference.log").read_text()
+            time.sleep(0.2)
+        url_a = registered_urls(paths)[0]
+        port_a = int(url_a.rsplit(":", 1)[1])
+        server_a = next(p for p in psutil.Process(inference.pid).children(recursive=True) if str(port_a) in p.cmdline())
+        rollout = stage("rollout", paths)
         while busy(url_a) == 0:  # the kill must land while A is decoding for the rollout
-            assert stage.poll() is None, stage.communicate()[0].decode()[-3000:]
-            assert time.monotonic() < deadline, "server A never got work"
+            assert rollout.poll() is None, rollout.communicate()[0].decode()[-3000:]
+            assert time.monotonic() < deadline + 240, "server A never got work"
             time.sleep(0.05)
         time.sleep(random.Random(7).uniform(0.0, 1.0))
-        os.kill(proc_a.pid, signal.SIGKILL)
-        out, _ = stage.communicate(timeout=400)  # never hangs: a timeout here fails the test
+        server_a.kill()  # SIGKILL, by pid (a child of our child)
+        out, _ = rollout.communicate(timeout=400)  # never hangs: a timeout here fails the test
     finally:
-        if stage.poll() is None:
-            stage.kill()
-            stage.wait()
+        if rollout is not None and rollout.poll() is None:
+            rollout.kill()
+            rollout.wait(timeout=60)
+        inference.send_signal(signal.SIGTERM)  # it deregisters and stops its servers
+        inference.wait(timeout=60)
     text = out.decode(errors="replace")
-    assert stage.returncode == 0, text[-4000:]
+    assert rollout is not None and rollout.returncode == 0, text[-4000:]
     assert paths.complete_steps() == [0, 1]
     lines = [json.loads(line) for line in paths.rollout_metrics.read_text().splitlines()]
     by_step = {line["step"]: line for line in lines}
@@ -183,4 +244,23 @@ def test_rollout_survives_a_server_killed_mid_step(two_servers: list[Any], tiny_
         # every run is accounted for: finished into samples, or counted as an error
         assert line["runs"] == 8
         assert line["sessions"] + line["agent_errors"] + line["rejected"] + line["empty_runs"] == 8, line
-    assert by_step[1]["agent_errors"] == 0, "after the kill, new runs go to the live server"
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="pipeline/engine/client_admin.py EngineClient.weight_version fans out to every "
+                   "registered server and raises if one is unreachable; the rollout's staleness gate "
+                   "(pipeline/rollout/staleness.py wait_for_version) calls it before every step, so one stale "
+                   "registry entry (left by an inference job killed with SIGKILL or a lost node; a restarted "
+                   "inference stage does not remove its predecessor's entries) fails every step although a live "
+                   "server serves. Fix: min over the servers that answer (error only if none does), and have "
+                   "pipeline/engine/launch.py drop entries of earlier attempts on start")  # fmt: skip
+def test_a_stale_registry_entry_does_not_stop_the_rollout(two_servers: list[Any], tiny_model_dir: Path,
+                                                          tmp_path: Path) -> None:  # fmt: skip
+    (url_live, _), (url_dead, proc_dead) = two_servers
+    os.kill(proc_dead.pid, signal.SIGKILL)  # a server gone without deregistering (its job was killed)
+    proc_dead.wait(timeout=30)
+    paths = rollout_run(tmp_path, tiny_model_dir, [url_live, url_dead])
+    rollout = stage("rollout", paths)
+    out, _ = rollout.communicate(timeout=400)
+    assert rollout.returncode == 0, out.decode(errors="replace")[-3000:]
+    assert paths.complete_steps() == [0, 1]

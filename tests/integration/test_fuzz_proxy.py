@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,9 @@ def fuzz_operation(target: Target, operation: Any, generation: Any, http: Any, s
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         response = case.call(base_url=target.url, session=http, headers=headers, timeout=TIMEOUT_S)
         seen[operation.label] = seen.get(operation.label, 0) + 1
+        if os.environ.get("ARL_FUZZ_TRACE"):
+            print(f"{time.strftime('%X')} {operation.label} {kind} -> {response.status_code} "
+                  f"{float(response.elapsed):.2f}s", flush=True)  # fmt: skip
         check(response, f"{operation.label} ({kind} key)")
 
     return fuzz
@@ -121,3 +125,52 @@ def test_proxy_schema_fuzz(target: Target, mode: str) -> None:
     print(f"{mode}: {sum(seen.values())} cases over {len(seen)} operations: {seen}")
     assert len(seen) >= len(operations(target)) - 2, "every operation (with something to fuzz) was exercised"
     assert httpx.get(f"{target.url}/health", timeout=TIMEOUT_S).status_code == 200, "the proxy is still alive"
+
+
+def test_valid_conversations_with_arbitrary_text_through_the_sdk(target: Target) -> None:
+    """Schema-valid cases rarely form a conversation the proxy serves (most are 400s with a reason). Here
+    Hypothesis builds conversations that *are* valid, with arbitrary Unicode text, stop strings, tools and
+    sampling settings, and drives them through the real OpenAI SDK turn after turn: every call succeeds
+    (the SDK raises on any error status), and the exported rows satisfy the shard schema."""
+    import openai
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from schemas.trajectory import validate_row
+
+    text = st.text(st.characters(exclude_categories=["Cs"]), max_size=40)
+    tool = {"type": "function", "function": {"name": "lookup", "description": "look something up",
+                                             "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
+    turn = st.fixed_dictionaries({"user": text, "stream": st.booleans(), "tools": st.booleans(),
+                                  "temperature": st.none() | st.floats(0, 2), "top_p": st.none() | st.floats(0.01, 1),
+                                  "stop": st.none() | st.lists(text.filter(bool), max_size=2)})  # fmt: skip
+
+    @settings(max_examples=max(EXAMPLES // 2, 10), deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(system=st.none() | text, turns=st.lists(turn, min_size=1, max_size=3))
+    def conversation(system: str | None, turns: list[dict[str, Any]]) -> None:
+        key = key_for(target, "session")
+        assert key is not None
+        client: Any = openai.OpenAI(base_url=f"{target.url}/v1", api_key=key, max_retries=0, timeout=TIMEOUT_S)
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system is not None else []
+        for t in turns:
+            messages.append({"role": "user", "content": t["user"]})
+            extra = {k: t[k] for k in ("temperature", "top_p", "stop") if t[k] is not None}
+            if t["tools"]:
+                extra["tools"] = [tool]
+            if t["stream"]:
+                parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                    model="m", messages=messages, max_tokens=3, stream=True, **extra) if c.choices]  # fmt: skip
+                reply: dict[str, Any] = {"role": "assistant", "content": "".join(parts)}
+            else:
+                done = client.chat.completions.create(model="m", messages=messages, max_tokens=3, **extra)
+                reply = done.choices[0].message.model_dump(exclude_none=True)
+            messages.append(reply)
+        exported = httpx.post(f"{target.url}/export_trajectories", timeout=TIMEOUT_S,
+                              headers={"Authorization": f"Bearer {target.admin}"},
+                              json={"session_id": key.split("-")[2], "style": "concat"})  # fmt: skip
+        assert exported.status_code == 200, exported.text
+        for row in exported.json()["samples"]:
+            validate_row({**row, "step": 0, "created_at": row["created_at"]})
+
+    conversation()
