@@ -21,7 +21,7 @@ objects and its session table are read: a leak grows them round after round.
 Prints per-round figures and a final `RESULT {...}` line (see `pipeline/bench.py`). p99 latency is
 reported, not asserted; `tests/integration/test_load.py` asserts the correctness figures.
 
-    python benchmarks/proxy_load.py [--sessions 256] [--turns 4] [--rounds 3] [--max-tokens 4]
+    python benchmarks/proxy_load.py [--sessions 256] [--turns 4] [--rounds 2] [--max-tokens 4]
 """
 
 from __future__ import annotations
@@ -96,14 +96,34 @@ class Stack:
                 proc.wait()
 
 
-def start_engine(model_dir: str | Path, log_path: Path, *,
-                 port: int | None = None) -> tuple[str, subprocess.Popen[bytes]]:  # fmt: skip
-    """A real `hf` server subprocess on loopback; returns (url, process) once it answers /health."""
+ENGINE_WITH_KEEP_ALIVE = """
+import sys, uvicorn
+from pipeline.engine.hf_server import HFServer, HFServerConfig
+model, port, keep_alive = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+server = HFServer(HFServerConfig(model_path=model, device="cpu", max_batch_size=64))
+server.start()
+try:
+    uvicorn.run(server.app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=keep_alive)
+finally:
+    server.stop()
+"""
+
+
+def start_engine(model_dir: str | Path, log_path: Path, *, port: int | None = None,
+                 keep_alive_s: float | None = None) -> tuple[str, subprocess.Popen[bytes]]:  # fmt: skip
+    """A real `hf` server subprocess on loopback; returns (url, process) once it answers /health.
+
+    `keep_alive_s` serves the same `HFServer` app with another HTTP keep-alive than uvicorn's 5 s
+    (see `test_a_request_after_the_servers_keep_alive_expired_is_not_lost` for why that matters).
+    """
     port = port or free_port()
     log = open(log_path, "ab")  # noqa: SIM115 - the child writes to it for its lifetime
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.engine.hf_server", "--model-path", str(model_dir),
-                             "--port", str(port), "--device", "cpu", "--max-batch-size", "64"],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    if keep_alive_s is None:
+        argv = [sys.executable, "-m", "pipeline.engine.hf_server", "--model-path", str(model_dir), "--port", str(port),
+                "--device", "cpu", "--max-batch-size", "64"]  # fmt: skip
+    else:
+        argv = [sys.executable, "-c", ENGINE_WITH_KEEP_ALIVE, str(model_dir), str(port), str(keep_alive_s)]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", proc)
     return url, proc
@@ -124,9 +144,10 @@ def start_proxy(model_dir: str | Path, engine_url: str, log_path: Path, *, admin
     return url, proc
 
 
-def start_stack(model_dir: str | Path, workdir: Path, *, log_level: str = "INFO") -> Stack:
+def start_stack(model_dir: str | Path, workdir: Path, *, log_level: str = "INFO",
+                engine_keep_alive_s: float | None = None) -> Stack:  # fmt: skip
     admin = "arl-admin-" + secrets.token_urlsafe(16)
-    engine_url, engine = start_engine(model_dir, workdir / "engine.log")
+    engine_url, engine = start_engine(model_dir, workdir / "engine.log", keep_alive_s=engine_keep_alive_s)
     try:
         proxy_url, proxy = start_proxy(model_dir, engine_url, workdir / "proxy.log", admin_key=admin,
                                        log_level=log_level)  # fmt: skip
@@ -385,7 +406,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--sessions", type=int, default=256)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3, help="rounds after a warm-up round (leak check)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds after a warm-up round (leak check)")
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--model-dir", default=None, help="default: a fresh tiny qwen model")
     parser.add_argument("--serve-proxy", nargs=4, metavar=("MODEL_DIR", "ENGINE_URL", "HOST", "PORT"),

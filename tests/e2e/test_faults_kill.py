@@ -315,6 +315,20 @@ def test_trainer_killed_at_random_points(make_train_run, tmp_path: Path) -> None
     assert max(Counter(steps).values()) == 1, f"a step was trained (and logged) twice: {steps}"
 
 
+def drop_dead_entries(paths: RunPaths) -> None:
+    """What an operator does today after a SIGKILLed inference job: delete its registry entries. A
+    killed stage cannot deregister, and a restarted one does not clean up after its predecessor
+    (xfail `test_a_stale_registry_entry_does_not_stop_the_rollout` in test_faults_failover.py)."""
+    import httpx
+
+    for entry in paths.inference_registry.glob("*.json"):
+        url = json.loads(entry.read_text())["url"]
+        try:
+            httpx.get(f"{url}/health", timeout=2)
+        except httpx.HTTPError:
+            entry.unlink(missing_ok=True)
+
+
 def test_inference_stage_killed_at_random_points(tmp_path: Path, tiny_model_dir: Path) -> None:
     """The inference job dies (with its servers, as a Slurm job kill does) and is restarted; the
     rollout rides through it or fails and is rerun; every step ends up published exactly once."""
@@ -330,6 +344,7 @@ def test_inference_stage_killed_at_random_points(tmp_path: Path, tiny_model_dir:
                     rollout = start_stage("rollout", paths, ro_log)
                 # even trials: a random delay; odd: when the rollout starts publishing a step
                 outcomes.append(kill_at_random(inference, rng, trial, [paths.trajectories], children=True))
+                drop_dead_entries(paths)
             inference = start_stage("inference", paths, inf_log)
             try:
                 deadline = time.monotonic() + 400
