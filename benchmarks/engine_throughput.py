@@ -12,8 +12,9 @@ Work: R requests with prompts of 8–40 tokens (fixed seed), each generating exa
   same requests through the same client.
 
 Tokens/s counts generated tokens only. The ratio server/ceiling is printed per concurrency; the
-target is >= 0.70 at C = 32. The two measurements run one after the other, never at once, so they
-do not share the CPU. Usage: `python benchmarks/engine_throughput.py [--requests 64] [--tokens 64]`.
+target is >= 0.70 at C = 32. For each C the server and the ceiling are measured back to back (never
+at once, so they do not share the CPU), both with `OMP_WAIT_POLICY=PASSIVE` (see hf_server.main).
+Usage: `python benchmarks/engine_throughput.py [--requests 64] [--tokens 64] [--no-vllm]`.
 Prints a table, then `RESULT {...}` (JSON) for `arl bench`.
 """
 
@@ -55,9 +56,19 @@ def generate_ceiling(model_dir: Path, prompts: list[list[int]], tokens: int, bat
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
-                           do_sample=True, temperature=1.0, top_k=0, top_p=1.0, output_scores=True,
-                           return_dict_in_generate=True, pad_token_id=pad)  # fmt: skip
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=pad,
+            )
 
     run(prompts[:batch])  # warm-up
     start = time.perf_counter()
@@ -86,8 +97,9 @@ async def drive(url: str, prompts: list[list[int]], tokens: int, concurrency: in
     return produced / elapsed
 
 
-def start_server(argv: list[str], url: str, log: Path, timeout_s: float = 300.0,
-                 env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:  # fmt: skip
+def start_server(
+    argv: list[str], url: str, log: Path, timeout_s: float = 300.0, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     import httpx
 
     handle = open(log, "wb")  # noqa: SIM115 - the child owns it until it exits
@@ -118,18 +130,41 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
             proc.wait()
 
 
-def bench_hf(model_dir: Path, prompts: list[list[int]], tokens: int, workdir: Path) -> dict[int, float]:
+def bench_hf(
+    model_dir: Path, prompts: list[list[int]], tokens: int, workdir: Path
+) -> tuple[dict[int, float], dict[int, float]]:
+    """(server tok/s, generate tok/s) per concurrency, each pair measured back to back.
+
+    Pairing keeps the ratio honest on a shared machine whose background load drifts over minutes.
+    """
     from pipeline.engine.testing import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "pipeline.engine.hf_server", "--model-path", str(model_dir), "--port", str(port),
-            "--device", "cpu", "--max-batch-size", "64", "--seed", "0"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pipeline.engine.hf_server",
+        "--model-path",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--max-batch-size",
+        "64",
+        "--seed",
+        "0",
+    ]
     proc = start_server(argv, url, workdir / "hf_server.log", env={"PYTHONPATH": str(REPO_ROOT)})
+    server, ceiling = {}, {}
     try:
-        return {c: asyncio.run(drive(url, prompts, tokens, c)) for c in CONCURRENCY}
+        for c in CONCURRENCY:
+            server[c] = asyncio.run(drive(url, prompts, tokens, c))
+            ceiling[c] = generate_ceiling(model_dir, prompts, tokens, c)
     finally:
         stop([proc])
+    return server, ceiling
 
 
 def bench_vllm(model_dir: Path, prompts: list[list[int]], tokens: int, workdir: Path) -> dict[int, float] | None:
@@ -142,9 +177,17 @@ def bench_vllm(model_dir: Path, prompts: list[list[int]], tokens: int, workdir: 
     from pipeline.engine.vllm_backend import vllm_procs
 
     port = free_port()
-    config = load_config(None, [f"model.path={model_dir}", "inference.backend=vllm", f"inference.python={venv_python}",
-                                "model.max_context=2048", "inference.max_batch_size=64",
-                                "inference.extra_args=[--enforce-eager]"])  # fmt: skip
+    config = load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            "inference.backend=vllm",
+            f"inference.python={venv_python}",
+            "model.max_context=2048",
+            "inference.max_batch_size=64",
+            "inference.extra_args=[--enforce-eager]",
+        ],
+    )
     specs = vllm_procs(config, host="127.0.0.1", port=port, model_path=str(model_dir), version=0)
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -161,7 +204,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--model", type=Path, default=None, help="HF model dir (default: a fresh tiny model)")
+    parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM server even when .vllm-venv exists")
     args = parser.parse_args()
+    # Same OpenMP setting as the server (hf_server.main sets it): idle workers sleep instead of spinning,
+    # which on a busy CPU otherwise slows both sides many times over. Must precede the torch import.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     workdir = Path(tempfile.mkdtemp(prefix="arl-engine-bench-"))
     model_dir = args.model
     if model_dir is None:
@@ -169,11 +216,11 @@ def main() -> None:
 
         model_dir = make_tiny_model(workdir / "tiny", template="qwen")
     prompts = make_prompts(args.requests, vocab=500)
-    server = bench_hf(model_dir, prompts, args.tokens, workdir)
-    ceiling = {c: generate_ceiling(model_dir, prompts, args.tokens, c) for c in CONCURRENCY}
-    vllm = bench_vllm(model_dir, prompts, args.tokens, workdir)
+    server, ceiling = bench_hf(model_dir, prompts, args.tokens, workdir)
+    vllm = None if args.no_vllm else bench_vllm(model_dir, prompts, args.tokens, workdir)
     print(f"{args.requests} requests x {args.tokens} tokens, tiny model, CPU ({os.cpu_count()} cores)")
-    print(f"{'concurrency':>11} {'hf server tok/s':>16} {'generate tok/s':>15} {'ratio':>6}" + (" vllm tok/s" if vllm else ""))
+    header = f"{'concurrency':>11} {'hf server tok/s':>16} {'generate tok/s':>15} {'ratio':>6}"
+    print(header + (" vllm tok/s" if vllm else ""))
     for c in CONCURRENCY:
         extra = f" {vllm[c]:>10.0f}" if vllm else ""
         print(f"{c:>11} {server[c]:>16.0f} {ceiling[c]:>15.0f} {server[c] / ceiling[c]:>6.2f}{extra}")

@@ -84,7 +84,9 @@ def _hf(config: ArlConfig, host: str, port: int, model_path: str, version: int) 
     ]
     if config.model.tokenizer:
         argv += ["--tokenizer-path", config.model.tokenizer]
-    return ProcSpec(argv + list(inf.extra_args), _pythonpath())
+    # Idle OpenMP workers sleep instead of spinning (see hf_server.main); a user's setting wins.
+    env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), **_pythonpath()}
+    return ProcSpec(argv + list(inf.extra_args), env)
 
 
 def _pythonpath() -> dict[str, str]:
