@@ -13,10 +13,9 @@ from pathlib import Path
 
 def main(run_dir: Path, step: int | None = None) -> int:
     """Serve until `num_steps` steps are published; returns the exit code."""
-    import asyncio
 
     from pipeline.config import config_from_run_dir
-    from pipeline.logs import setup_logging
+    from pipeline.logs import run_async, setup_logging
     from pipeline.paths import RunPaths
 
     paths = RunPaths(Path(run_dir))
@@ -30,5 +29,5 @@ def main(run_dir: Path, step: int | None = None) -> int:
 
     from pipeline.rollout.external import run_external
 
-    asyncio.run(run_external(config, paths, only_step=step))
+    run_async(run_external(config, paths, only_step=step))
     return 0

@@ -13,11 +13,10 @@ from pathlib import Path
 
 def main(run_dir: Path, step: int | None = None) -> int:
     """Produce trajectories; returns the exit code (errors propagate to the CLI, which prints them)."""
-    import asyncio
 
     from pipeline.config import config_from_run_dir
     from pipeline.errors import ConfigError
-    from pipeline.logs import setup_logging
+    from pipeline.logs import run_async, setup_logging
     from pipeline.paths import RunPaths
 
     paths = RunPaths(Path(run_dir))
@@ -29,5 +28,5 @@ def main(run_dir: Path, step: int | None = None) -> int:
 
     from pipeline.rollout.loop import run_rollout
 
-    asyncio.run(run_rollout(config, paths, only_step=step))
+    run_async(run_rollout(config, paths, only_step=step))
     return 0
