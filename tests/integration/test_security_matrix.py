@@ -183,6 +183,17 @@ def test_forged_and_ended_session_keys(proxy: Proxy) -> None:
     proxy.bodies += [("/v1/models", both.status_code, both.text), ("/v1/models", odd.status_code, odd.text)]
 
 
+@pytest.mark.xfail(strict=True, reason="pipeline/proxy/server.py: FastAPI decodes a JSON body before it runs the "
+                   "key dependencies, so a request with no (or a wrong) key and a body that is not JSON answers 400 "
+                   "'not valid JSON' instead of 401, contrary to the comment on the auth dependencies; minor (it "
+                   "reveals only that the endpoint parses JSON). Fix: check the key in a middleware (or a router "
+                   "dependency run before body parsing) for every route but /health")  # fmt: skip
+def test_a_missing_key_is_401_even_with_a_body_that_is_not_json(proxy: Proxy) -> None:
+    reply = proxy.http.post(proxy.url + "/rl/set_reward", content=b"not json",
+                            headers={"Content-Type": "application/json"})  # fmt: skip
+    assert reply.status_code == 401, reply.text
+
+
 def other_addresses() -> list[str]:
     out = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
     return [a for a in out if ":" not in a and not a.startswith("127.")]
