@@ -29,7 +29,8 @@ import pytest
 
 from pipeline.paths import RunPaths
 
-pytestmark = pytest.mark.slow
+# Each trial set starts several stages (tens of seconds each on a busy 2-core machine).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 

@@ -203,6 +203,7 @@ def registered_urls(paths: RunPaths) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_rollout_survives_a_server_killed_mid_step(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The real inference stage runs two servers; one server process is SIGKILLed while it decodes
     for the rollout. Its supervisor deregisters it; the rollout's runs on it fail over or are
@@ -247,6 +248,7 @@ def test_rollout_survives_a_server_killed_mid_step(tiny_model_dir: Path, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 @pytest.mark.xfail(strict=True, reason="pipeline/engine/client_admin.py EngineClient.weight_version fans out to every "
                    "registered server and raises if one is unreachable; the rollout's staleness gate "
                    "(pipeline/rollout/staleness.py wait_for_version) calls it before every step, so one stale "
