@@ -30,7 +30,15 @@ log = logging.getLogger("arl.engine.hf_admin")
 
 
 def register_admin_routes(app: Any, server: HFServer) -> None:
-    from fastapi.responses import JSONResponse, Response
+    """Info, control and weight-update routes on `app`."""
+    _info_routes(app, server)
+    _control_routes(app, server)
+    _weight_routes(app, server)
+
+
+def _info_routes(app: Any, server: HFServer) -> None:
+    """Model/server info and the cache flush."""
+    from fastapi.responses import Response
 
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
@@ -48,6 +56,11 @@ def register_admin_routes(app: Any, server: HFServer) -> None:
     async def flush_cache() -> Response:
         # The hf engine keeps no prefix cache across requests: there is nothing to flush.
         return Response("Cache flushed (the hf engine keeps no prefix cache).\n", status_code=200)
+
+
+def _control_routes(app: Any, server: HFServer) -> None:
+    """Abort, pause and continue."""
+    from fastapi.responses import JSONResponse, Response
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
@@ -69,6 +82,11 @@ def register_admin_routes(app: Any, server: HFServer) -> None:
     async def continue_generation() -> JSONResponse:
         await _on_scheduler(server, server.scheduler.resume)
         return JSONResponse({"success": True, "message": "generation continued"})
+
+
+def _weight_routes(app: Any, server: HFServer) -> None:
+    """The three weight-update paths (disk, group join/destroy, broadcast)."""
+    from fastapi.responses import JSONResponse
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:

@@ -64,6 +64,16 @@ def register_routes(adapter: VLLMAdapter) -> Any:
         results = await asyncio.gather(*(adapter.complete(item) for item in items))
         return JSONResponse(results if body.is_batch() or len(results) > 1 else results[0])
 
+    _info_routes(app, adapter)
+    _control_routes(app, adapter)
+    _weight_routes(app, adapter)
+    return app
+
+
+def _info_routes(app: Any, adapter: VLLMAdapter) -> None:
+    """Model/server info and the cache flush."""
+    from fastapi.responses import Response
+
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
         return {
@@ -99,6 +109,11 @@ def register_routes(adapter: VLLMAdapter) -> Any:
         resp = await adapter.http.post("/reset_prefix_cache")
         return Response("Cache flushed.\n", status_code=200 if resp.status_code < 400 else 400)
 
+
+def _control_routes(app: Any, adapter: VLLMAdapter) -> None:
+    """Abort, pause and continue."""
+    from fastapi.responses import JSONResponse, Response
+
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         body = await parse_body(request, AbortReq, admin=True)
@@ -121,6 +136,11 @@ def register_routes(adapter: VLLMAdapter) -> Any:
         adapter.paused = False
         adapter.open.set()
         return JSONResponse({"success": True, "message": "generation continued"})
+
+
+def _weight_routes(app: Any, adapter: VLLMAdapter) -> None:
+    """Weight updates through vLLM's /collective_rpc."""
+    from fastapi.responses import JSONResponse
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
@@ -162,8 +182,6 @@ def register_routes(adapter: VLLMAdapter) -> Any:
                 adapter.reopen()
             adapter.weight_version = adapter.weight_version if version is None else version
         return JSONResponse({"success": True, "message": f"received {len(body.names)} tensors"})
-
-    return app
 
 
 def _version(value: str | int | None) -> int | None:
