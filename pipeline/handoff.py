@@ -21,9 +21,35 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pipeline.errors import WaitTimeout
+from pipeline.errors import ArlError, WaitTimeout
 
 T = TypeVar("T")
+
+_HINT = " (is the disk full, over quota, or the run dir read-only? nothing was published)"
+# Libraries that write for us (torch, safetensors, pyarrow) report a full disk or a read-only
+# run dir as RuntimeError/their own error types, with the cause in the text and no file name.
+_IO_CAUSES = ("No space left", "File too large", "Permission denied", "Read-only file system",
+              "Disk quota exceeded", "os error", "write():", "I/O error")  # fmt: skip
+
+
+class PublishError(ArlError):
+    """Writing a file or directory another job reads failed (full disk, quota, read-only run dir)."""
+
+
+@contextlib.contextmanager
+def naming_write_errors(target: str | Path) -> Iterator[None]:
+    """Re-raise a failed write as a PublishError that names `target` and the cause (the original is chained)."""
+    try:
+        yield
+    except OSError as exc:
+        cause = exc.strerror or str(exc)
+        raise PublishError(f"could not write {target}: {cause}{_HINT}") from exc
+    except Exception as exc:
+        if not any(marker in str(exc) for marker in _IO_CAUSES):
+            raise
+        raise PublishError(f"could not write {target}: {exc}{_HINT}") from exc
+
+
 
 
 def fsync_dir(path: Path) -> None:
@@ -38,19 +64,20 @@ def fsync_dir(path: Path) -> None:
 def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
     """Write `data` to `path` so readers see the old file or the new one, never a torn one."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
-    fsync_dir(path.parent)
+    with naming_write_errors(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(tmp, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+        fsync_dir(path.parent)
     return path
 
 
@@ -70,14 +97,15 @@ def read_json(path: str | Path) -> Any:
 def staging_dir(final: str | Path) -> Iterator[Path]:
     """A fresh temp dir beside `final`, removed if the block fails (publish it with `publish_dir`)."""
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f"{final.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with naming_write_errors(final):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        try:
+            yield tmp
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def publish_dir(staged: Path, final: str | Path, marker: str, marker_content: Any) -> Path:
@@ -87,16 +115,17 @@ def publish_dir(staged: Path, final: str | Path, marker: str, marker_content: An
     which is true, rather than a mixture of old and new files.
     """
     final = Path(final)
-    for child in staged.iterdir():
-        if child.is_file():
-            _fsync_file(child)
-    write_json_atomic(staged / marker, marker_content)
-    old: Path | None = None
-    if final.exists():
-        old = final.with_name(f"{final.name}.{uuid.uuid4().hex[:8]}.old.tmp")
-        os.replace(final, old)
-    os.replace(staged, final)
-    fsync_dir(final.parent)
+    with naming_write_errors(final):
+        for child in staged.iterdir():
+            if child.is_file():
+                _fsync_file(child)
+        write_json_atomic(staged / marker, marker_content)
+        old: Path | None = None
+        if final.exists():
+            old = final.with_name(f"{final.name}.{uuid.uuid4().hex[:8]}.old.tmp")
+            os.replace(final, old)
+        os.replace(staged, final)
+        fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -26,7 +26,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.handoff import clean_stale_tmp, publish_dir, remove_published, staging_dir, write_text_atomic
+from pipeline.handoff import (
+    clean_stale_tmp,
+    naming_write_errors,
+    publish_dir,
+    remove_published,
+    staging_dir,
+    write_text_atomic,
+)
 from pipeline.paths import COMPLETE, RunPaths
 
 log = logging.getLogger("arl.trainer")
@@ -125,6 +132,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def save_torch(obj: Any, path: Path) -> None:
+    """`torch.save` whose failures name the file and the cause: the zip writer turns a full disk into
+    "unexpected pos N vs M"; the legacy stream format surfaces the OS error text (still loads with torch.load)."""
+    with naming_write_errors(path), open(path, "wb") as handle:
+        torch.save(obj, handle, _use_new_zipfile_serialization=False)
+
+
 def stage_trainer_state(paths: RunPaths, version: int) -> Path:
     """A fresh staging dir for state `version` (rank 0 only; the backend writes into it, then `publish_state`)."""
     final = paths.trainer_state_dir(version)
@@ -135,8 +149,9 @@ def stage_trainer_state(paths: RunPaths, version: int) -> Path:
 
 def publish_state(paths: RunPaths, version: int, staged: Path, data: dict[str, Any]) -> Path:
     """Add RNG and data state to a staged state dir and publish it with its marker."""
-    (staged / RNG_FILE).write_bytes(pickle.dumps(rng_state()))
-    (staged / DATA_FILE).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    with naming_write_errors(staged):
+        (staged / RNG_FILE).write_bytes(pickle.dumps(rng_state()))
+        (staged / DATA_FILE).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     return publish_dir(staged, paths.trainer_state_dir(version), COMPLETE, {"version": version})
 
 

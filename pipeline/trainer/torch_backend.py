@@ -21,6 +21,7 @@ import torch
 
 from pipeline.trainer import fsdp
 from pipeline.trainer.backend import LossFn, MinibatchStats
+from pipeline.trainer.checkpoint import save_torch
 from pipeline.trainer.losses import entropy_from_logits, gather_logprobs
 from pipeline.trainer.packing import MicroBatch
 from pipeline.trainer.schedule import make_scheduler
@@ -154,8 +155,8 @@ class TorchBackend:
     def save_state(self, out_dir: Path) -> None:
         optim_state = fsdp.optimizer_state(self.model, self.optimizer, self.world_size)
         if self.rank == 0:
-            torch.save(optim_state, out_dir / OPTIMIZER_FILE)
-            torch.save(self.scheduler.state_dict(), out_dir / SCHEDULER_FILE)
+            save_torch(optim_state, out_dir / OPTIMIZER_FILE)
+            save_torch(self.scheduler.state_dict(), out_dir / SCHEDULER_FILE)
 
     def close(self) -> None:
         self.model = self.reference = self.optimizer = self.scheduler = None

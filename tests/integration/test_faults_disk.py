@@ -147,17 +147,11 @@ def test_shards_past_a_file_size_limit_are_never_visible(fsize_failures: dict[st
     assert paths.complete_steps() == [0] and published_view_problems(paths) == []
 
 
-@pytest.mark.xfail(strict=True, reason="pipeline/trainer/torch_backend.py TorchBackend.save_state: torch.save into "
-                   "a full disk raises `RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos N "
-                   "vs M` with neither the path nor the cause (ENOSPC/EFBIG); the CLI prints a traceback")  # fmt: skip
 def test_trainer_disk_error_names_the_path_and_the_cause(fsize_failures: dict[str, Any]) -> None:
     paths, done = fsize_failures["train"]
     assert_failed_naming(done, paths.root, "File too large")
 
 
-@pytest.mark.xfail(strict=True, reason="pipeline/shards.py _write_part: `path.write_bytes(data)` failing mid-write "
-                   "raises a bare `OSError: [Errno 27] File too large` (no filename: write errors carry none), so "
-                   "the rollout's error does not say which path or disk is full")  # fmt: skip
 def test_shard_disk_error_names_the_path(fsize_failures: dict[str, Any]) -> None:
     paths, done, _ = fsize_failures["shards"]
     assert_failed_naming(done, paths.trajectories, "File too large")

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from pipeline.trainer.backend import LossFn, MinibatchStats
+from pipeline.trainer.checkpoint import save_torch
 from pipeline.trainer.megatron import parallel
 from pipeline.trainer.megatron.forward import VocabShard, pack_inputs, token_logprobs
 from pipeline.trainer.megatron.model import ModelDims, RunSettings, build_model, transformer_config
@@ -243,9 +244,9 @@ class MegatronBackend:
         box = [str(out_dir)]
         dist.broadcast_object_list(box, src=0)
         target = Path(box[0])
-        torch.save(self.optimizer.state_dict(), target / f"optimizer_rank{self.rank:05d}.pt")
+        save_torch(self.optimizer.state_dict(), target / f"optimizer_rank{self.rank:05d}.pt")
         if self.rank == 0:
-            torch.save(self.scheduler.state_dict(), target / SCHEDULER_FILE)
+            save_torch(self.scheduler.state_dict(), target / SCHEDULER_FILE)
             (target / LAYOUT_FILE).write_text(json.dumps(self._layout(), sort_keys=True) + "\n")
         dist.barrier()
 
