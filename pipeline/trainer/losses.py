@@ -66,6 +66,16 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(dim=-1)
 
 
+def logit_scale(rollout_temperature: float) -> float:
+    """Factor applied to the trainer's logits so its log-probs are of the distribution that sampled.
+
+    Inference engines (SGLang by default, our `hf` engine, vLLM with processed logprobs) report
+    log softmax(logits / T) at the request's temperature T, so the PPO ratio is only meaningful if
+    the trainer scales its logits by 1/T too. Greedy (T = 0) log-probs are unscaled.
+    """
+    return 1.0 / rollout_temperature if rollout_temperature > 0 else 1.0
+
+
 def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[targets] per position, in fp32 (bf16 log-probs are too coarse for ratios)."""
     logits = logits.float()

@@ -22,7 +22,7 @@ import torch
 from pipeline.trainer import fsdp
 from pipeline.trainer.backend import LossFn, MinibatchStats
 from pipeline.trainer.checkpoint import save_torch
-from pipeline.trainer.losses import entropy_from_logits, gather_logprobs
+from pipeline.trainer.losses import entropy_from_logits, gather_logprobs, logit_scale
 from pipeline.trainer.packing import MicroBatch
 from pipeline.trainer.schedule import make_scheduler
 from schemas.config import ArlConfig
@@ -46,6 +46,7 @@ class TorchBackend:
 
     def __init__(self, config: ArlConfig, total_updates: int) -> None:
         self.config = config
+        self.logit_scale = logit_scale(config.rollout.temperature)
         self.total_updates = total_updates
         self.dist = fsdp.init_distributed(config.trainer.device)
         self.rank, self.world_size, self.device = self.dist.rank, self.dist.world_size, self.dist.device
@@ -105,7 +106,8 @@ class TorchBackend:
         ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
         with ctx:
             out = model(input_ids=micro.input_ids, position_ids=micro.position_ids, use_cache=False)
-        return out.logits[0]
+        logits = out.logits[0]
+        return logits if self.logit_scale == 1.0 else logits * self.logit_scale
 
     @torch.no_grad()
     def logprobs(self, micro: MicroBatch, *, reference: bool = False) -> torch.Tensor:

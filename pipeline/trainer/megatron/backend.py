@@ -33,6 +33,7 @@ import torch
 
 from pipeline.trainer.backend import LossFn, MinibatchStats
 from pipeline.trainer.checkpoint import save_torch
+from pipeline.trainer.losses import logit_scale
 from pipeline.trainer.megatron import parallel
 from pipeline.trainer.megatron.forward import VocabShard, pack_inputs, token_logprobs
 from pipeline.trainer.megatron.model import ModelDims, RunSettings, build_model, transformer_config
@@ -52,6 +53,7 @@ class MegatronBackend:
 
     def __init__(self, config: ArlConfig, total_updates: int) -> None:
         self.config, self.total_updates = config, total_updates
+        self.logit_scale = logit_scale(config.rollout.temperature)
         mc = config.trainer.megatron
         self.topo = parallel.init(mc.tp, mc.pp, config.trainer.device, config.trainer.seed)
         self.rank, self.world_size, self.device = self.topo.rank, self.topo.world_size, self.topo.device
@@ -157,7 +159,8 @@ class MegatronBackend:
 
         def on_logits(i: int, logits: torch.Tensor) -> None:
             targets = micros[i].targets.to(self.device)
-            results[i] = token_logprobs(logits, targets, self.vocab, with_entropy=False)[0].float().cpu()
+            logp, _ = token_logprobs(logits * self.logit_scale, targets, self.vocab, with_entropy=False)
+            results[i] = logp.float().cpu()
 
         self._run(model, micros, on_logits, backward=False)
         if len(micros) > 1 or self.topo.pp > 1:
@@ -178,7 +181,7 @@ class MegatronBackend:
 
         def on_logits(i: int, logits: torch.Tensor) -> torch.Tensor:
             micro = micros[i].to(self.device)
-            logp, entropy = token_logprobs(logits, micro.targets, self.vocab, with_entropy=True)
+            logp, entropy = token_logprobs(logits * self.logit_scale, micro.targets, self.vocab, with_entropy=True)
             if algo.entropy_coef == 0 and entropy is not None:
                 entropy = entropy.detach()
             out = loss_fn(logp, entropy, micro.tokens)
