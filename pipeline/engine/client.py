@@ -64,6 +64,10 @@ _ABORT_TIMEOUT_S = 5.0
 # Errors after which the same request can safely go to another server: the connection failed or
 # the server vanished. Timeouts are not here: the server may still be generating.
 _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, ConnectionError)
+# A body cut short (the server died mid-response) is a server failure too, not a caller error.
+_STREAM_ERRORS = (*_CONNECTION_ERRORS, aiohttp.ClientPayloadError)
+# Below uvicorn's/SGLang's 5 s keep-alive, so the client usually drops an idle connection first.
+_KEEPALIVE_S = 2.0
 
 
 @dataclass
@@ -99,7 +103,7 @@ class EngineClient(AdminCalls):
         """Open the HTTP session and start the background health checks (idempotent)."""
         if self._session is None:
             # No total limit on connections: the proxy may hold hundreds of streams at once.
-            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=_KEEPALIVE_S)
             self._session = aiohttp.ClientSession(connector=connector)
         if self._health_task is None and self.health_interval_s > 0:
             self._health_task = asyncio.create_task(self._health_loop(), name="engine-client-health")
@@ -206,7 +210,7 @@ class EngineClient(AdminCalls):
                     chunk = chunk_from(payload, state)
                     if chunk is not None:
                         yield chunk
-        except _CONNECTION_ERRORS as exc:
+        except _STREAM_ERRORS as exc:
             raise Retryable(f"{type(exc).__name__}: {exc}") from exc
         except TimeoutError:
             self._abort_later(server.url, rid)
@@ -250,12 +254,20 @@ class EngineClient(AdminCalls):
             server.inflight -= 1
 
     async def _post_generate(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            async with self._http().post(f"{url}/generate", json=body) as resp:
-                await raise_for_status(resp, url)
-                data = await resp.json(content_type=None)
-        except _CONNECTION_ERRORS as exc:
-            raise Retryable(f"{type(exc).__name__}: {exc}") from exc
+        for attempt in (1, 2):
+            try:
+                async with self._http().post(f"{url}/generate", json=body) as resp:
+                    await raise_for_status(resp, url)
+                    data = await resp.json(content_type=None)
+                break
+            except aiohttp.ServerDisconnectedError as exc:
+                # A pooled keep-alive connection the server closed while our loop was busy: the request
+                # never reached it, so one retry on a fresh connection is safe and keeps a healthy server up.
+                if attempt == 2:
+                    raise Retryable(f"{type(exc).__name__}: {exc}") from exc
+                log.debug("connection to %s was closed by the server; retrying once", url)
+            except _CONNECTION_ERRORS as exc:
+                raise Retryable(f"{type(exc).__name__}: {exc}") from exc
         if isinstance(data, list):  # a server that answers a single prompt as a batch of one
             data = data[0]
         if not isinstance(data, dict):

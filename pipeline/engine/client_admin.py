@@ -40,9 +40,20 @@ class AdminCalls:
         raise EngineError(f"no server answered /get_model_info: {errors}")
 
     async def weight_version(self) -> int:
-        """The lowest weight version over all servers (what every server has at least)."""
-        answers = await self._fan_out("GET", "/get_weight_version", None)
-        return min(parse_weight_version(a.get("weight_version")) for a in answers.values())
+        """The lowest weight version over the servers that answer (what every live server has at least).
+
+        A registry entry of a server that died (SIGKILL, a lost node) must not stop the rollout while
+        a live server serves; only when no server answers is it an error (naming every one).
+        """
+        urls = self._admin_urls()
+        results = await asyncio.gather(
+            *(self._admin(u, "GET", "/get_weight_version") for u in urls), return_exceptions=True
+        )
+        versions = [parse_weight_version(r.get("weight_version")) for r in results if isinstance(r, dict)]
+        if not versions:
+            detail = "; ".join(f"{u}: {r}" for u, r in zip(urls, results, strict=True)) or "no servers known"
+            raise EngineError(f"/get_weight_version failed on every server: {detail}", server=",".join(urls))
+        return min(versions)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
         """Every server reloads its weights from `model_path` (a Hugging Face dir) and reports `weight_version`."""

@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -159,7 +160,19 @@ def _start(
 def _spawn(spec: ProcSpec, log_file: IO[bytes]) -> subprocess.Popen[bytes]:
     env = {**os.environ, **spec.env}
     # start_new_session: a Ctrl-C in the terminal reaches only the supervisor, which stops children in order.
-    return subprocess.Popen(spec.argv, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    # PDEATHSIG: if the supervisor itself is SIGKILLed (OOM killer, `arl stop` escalating, Slurm) the servers
+    # must not live on holding their ports, GPU memory and stale registry entries.
+    return subprocess.Popen(spec.argv, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            preexec_fn=_die_with_parent)  # fmt: skip
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec (Linux): SIGKILL this process when its parent dies."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def _wait_healthy(servers: list[RunningServer], timeout_s: float, stop: threading.Event) -> None:

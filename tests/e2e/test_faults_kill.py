@@ -368,12 +368,6 @@ def test_inference_stage_killed_at_random_points(tmp_path: Path, tiny_model_dir:
     assert_rollout_steps_exactly_once(paths, 5)
 
 
-@pytest.mark.xfail(strict=True, reason="pipeline/engine/launch.py _spawn: servers start with start_new_session=True "
-                   "and nothing ties them to the supervisor, so after `kill -9` of `arl stage inference` (OOM killer, "
-                   "a local `arl stop` escalating to SIGKILL, Slurm with proctrack/linuxproc) the hf/vLLM/SGLang "
-                   "server keeps running, holding its port and GPU memory, and its registry entry stays. Fix: "
-                   "prctl(PR_SET_PDEATHSIG, SIGKILL) in a preexec_fn (Linux), or have each server exit when its "
-                   "parent pid changes")  # fmt: skip
 def test_inference_servers_die_with_a_killed_supervisor(tmp_path: Path, tiny_model_dir: Path) -> None:
     import psutil
 

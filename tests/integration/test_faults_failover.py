@@ -117,12 +117,6 @@ def test_plain_requests_fail_over_when_a_server_is_killed_mid_request(killed_mid
     assert finished and all(len(r) == LONG["max_new_tokens"] for r in finished), "the stream on B completes"
 
 
-@pytest.mark.xfail(strict=True, reason="pipeline/engine/client.py EngineClient._stream_from catches only connection "
-                   "errors: a stream cut by a server crash raises aiohttp.ClientPayloadError ('Response payload is "
-                   "not completed') out of generate_stream, not EngineError, and the server is not marked down; the "
-                   "proxy (pipeline/proxy/core.py _stream_one catches EngineError only) then ends the agent's SSE "
-                   "stream without an error event. Fix: treat ClientPayloadError (and aiohttp.ClientError in "
-                   "general) like a connection error in _stream_from")  # fmt: skip
 def test_a_stream_cut_by_a_server_kill_fails_with_an_engine_error(killed_mid_request: KillOutcome) -> None:
     failed = [r for r in killed_mid_request.streams if isinstance(r, BaseException)]
     assert failed, "the stream on A was cut mid-way"
@@ -130,13 +124,6 @@ def test_a_stream_cut_by_a_server_kill_fails_with_an_engine_error(killed_mid_req
         assert isinstance(error, EngineError) and killed_mid_request.killed in str(error), repr(error)
 
 
-@pytest.mark.xfail(strict=True, reason="pipeline/engine/client.py EngineClient: aiohttp keeps idle connections 15 s "
-                   "(TCPConnector default) but uvicorn/SGLang servers close them after 5 s; when the client's loop is "
-                   "busy as the server closes one (a load spike), the next request goes out on the dead connection, "
-                   "gets ServerDisconnectedError, and with one server the request fails (503 to the agent; with two it "
-                   "marks a healthy server down). Seen 7x in 32 sessions of test_load.py. Fix: "
-                   "TCPConnector(keepalive_timeout=~2 s) below the servers' keep-alive, and retry once on the same "
-                   "server when a reused connection fails before any response byte")  # fmt: skip
 async def test_a_request_after_the_servers_keep_alive_expired_is_not_lost(tiny_model_dir: Path) -> None:
     from pipeline.engine.testing import start_hf_server
 
@@ -249,13 +236,6 @@ def test_rollout_survives_a_server_killed_mid_step(tiny_model_dir: Path, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.xfail(strict=True, reason="pipeline/engine/client_admin.py EngineClient.weight_version fans out to every "
-                   "registered server and raises if one is unreachable; the rollout's staleness gate "
-                   "(pipeline/rollout/staleness.py wait_for_version) calls it before every step, so one stale "
-                   "registry entry (left by an inference job killed with SIGKILL or a lost node; a restarted "
-                   "inference stage does not remove its predecessor's entries) fails every step although a live "
-                   "server serves. Fix: min over the servers that answer (error only if none does), and have "
-                   "pipeline/engine/launch.py drop entries of earlier attempts on start")  # fmt: skip
 def test_a_stale_registry_entry_does_not_stop_the_rollout(two_servers: list[Any], tiny_model_dir: Path,
                                                           tmp_path: Path) -> None:  # fmt: skip
     (url_live, _), (url_dead, proc_dead) = two_servers
