@@ -61,20 +61,27 @@ def save_checkpoint(paths: RunPaths, version: int, state_dict: dict[str, torch.T
     return final
 
 
+def buckets(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Consecutive groups of tensors of at most `max_bytes` each (a bigger tensor travels alone):
+    checkpoint shards and broadcast buckets alike."""
+    out: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if out[-1] and size + nbytes > max_bytes:
+            out.append({})
+            size = 0
+        out[-1][name] = t
+        size += nbytes
+    return [b for b in out if b]
+
+
 def write_safetensors(out_dir: Path, state_dict: dict[str, torch.Tensor]) -> None:
     """`model.safetensors`, or shards of <= 5 GiB plus `model.safetensors.index.json` (the HF convention)."""
     from safetensors.torch import save_file
 
     tensors = {k: v.contiguous() for k, v in state_dict.items()}
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
+    shards = buckets(tensors, MAX_SHARD_BYTES) or [{}]
     if len(shards) == 1:
         save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
         return

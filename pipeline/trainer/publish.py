@@ -32,6 +32,7 @@ from pipeline.engine.weight_group import broadcast_from_trainer, destroy_weight_
 from pipeline.errors import ArlError
 from pipeline.handoff import write_json_atomic
 from pipeline.paths import RunPaths
+from pipeline.trainer.checkpoint import buckets
 
 log = logging.getLogger("arl.trainer.publish")
 T = TypeVar("T")
@@ -205,18 +206,6 @@ class BroadcastPublisher:
         self.owner.close()
 
 
-def buckets(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    """Consecutive groups of tensors of at most `max_bytes` each (a bigger tensor travels alone)."""
-    out: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if out[-1] and size + nbytes > max_bytes:
-            out.append({})
-            size = 0
-        out[-1][name] = t
-        size += nbytes
-    return [b for b in out if b]
 
 
 def _is_loopback(url: str) -> bool:
