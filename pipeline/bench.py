@@ -96,22 +96,44 @@ def machine_description() -> str:
             f"torch {torch_version}")  # fmt: skip
 
 
+_STRUCTURED = {"name", "script", "seconds", "reference", "figures", "ratios", "targets"}
+
+
 def write_results(results: list[dict[str, Any]], failures: list[str], path: Path | None = None) -> Path:
+    """Write RESULTS.md; sections of benchmarks not run this time (`arl bench --only`) are kept as they were."""
     path = path or BENCH_DIR / "RESULTS.md"
     now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    note = "Written by `arl bench`; every ratio compares against a reference measured in the same run."
-    lines = ["# Benchmark results", "", f"Machine: {machine_description()}  ", f"Date: {now}  ", note, ""]
+    sections = _existing_sections(path)
     for result in results:
-        lines += [f"## {result['name']}", "", f"`{result['script']}` ({result['seconds']} s). "
-                  f"Reference: {result.get('reference', '-')}", "", "| figure | value |", "| --- | --- |"]  # fmt: skip
-        lines += [f"| {k} | {_fmt(v)} |" for k, v in result.get("figures", {}).items()]
-        lines += [f"| ratio: {k} | {_fmt(v)} |" for k, v in result.get("ratios", {}).items()]
-        lines += [f"| target: {k} | {v} |" for k, v in result.get("targets", {}).items()]
-        lines.append("")
-    if failures:
-        lines += ["## Failed", "", *[f"- {name}" for name in failures], ""]
-    write_text_atomic(path, "\n".join(lines))
+        sections[result["name"]] = _section(result, now)
+    for name in failures:
+        sections[name] = f"## {name}\n\nFailed in the run of {now} (see its output).\n"
+    note = "Written by `arl bench`; every ratio compares against a reference measured in the same run."
+    header = f"# Benchmark results\n\nMachine: {machine_description()}  \nLatest run: {now}  \n{note}\n"
+    write_text_atomic(path, "\n".join([header, *(sections[k] for k in sorted(sections))]))
     return path
+
+
+def _section(result: dict[str, Any], date: str) -> str:
+    # Scripts may print flat RESULT objects: every top-level scalar beyond the structured keys is a figure.
+    figures = dict(result.get("figures", {}))
+    figures.update({k: v for k, v in result.items() if k not in _STRUCTURED and not isinstance(v, dict | list)})
+    lines = [f"## {result['name']}", "", f"`{result['script']}` ({result['seconds']} s, {date}). "
+             f"Reference: {result.get('reference', '-')}", "", "| figure | value |", "| --- | --- |"]  # fmt: skip
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in figures.items()]
+    lines += [f"| ratio: {k} | {_fmt(v)} |" for k, v in result.get("ratios", {}).items()]
+    lines += [f"| target: {k} | {v} |" for k, v in result.get("targets", {}).items()]
+    return "\n".join(lines) + "\n"
+
+
+def _existing_sections(path: Path) -> dict[str, str]:
+    if not path.exists():
+        return {}
+    sections: dict[str, str] = {}
+    for chunk in path.read_text().split("\n## ")[1:]:
+        name = chunk.split("\n", 1)[0].strip()
+        sections[name] = "## " + chunk.rstrip("\n") + "\n"
+    return sections
 
 
 def _fmt(value: Any) -> str:

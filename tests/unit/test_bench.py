@@ -1,0 +1,33 @@
+"""`arl bench` writes RESULTS.md: flat RESULT objects still show their figures, and a partial run
+(`--only`) replaces its own sections while keeping the others."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.bench import write_results
+
+
+def _result(name: str, **extra: object) -> dict:
+    return {"name": name, "script": f"benchmarks/{name}.py", "seconds": 1.0, **extra}
+
+
+def test_flat_and_structured_results_render_their_figures(tmp_path: Path) -> None:
+    out = tmp_path / "RESULTS.md"
+    write_results([_result("flat", read_speedup=34.2, size_ratio=0.153, nested={"x": 1}),
+                   _result("structured", figures={"tok/s": 1200.0}, ratios={"a/b": 0.9}, targets={"a/b": "met"})],
+                  [], out)  # fmt: skip
+    text = out.read_text()
+    assert "| read_speedup | 34.200 |" in text and "| size_ratio | 0.153 |" in text
+    assert "nested" not in text
+    assert "| tok/s | 1,200 |" in text and "| ratio: a/b | 0.900 |" in text and "| target: a/b | met |" in text
+
+
+def test_a_partial_run_keeps_the_other_sections(tmp_path: Path) -> None:
+    out = tmp_path / "RESULTS.md"
+    write_results([_result("alpha", figures={"v": 1.0}), _result("beta", figures={"v": 2.0})], [], out)
+    write_results([_result("beta", figures={"v": 3.0})], ["gamma"], out)
+    text = out.read_text()
+    assert "## alpha" in text and "| v | 1.000 |" in text
+    assert text.count("## beta") == 1 and "| v | 3.000 |" in text and "| v | 2.000 |" not in text
+    assert "## gamma" in text and "Failed" in text
