@@ -48,9 +48,9 @@ def harness() -> ModuleType:
 
 @pytest.fixture(scope="module")
 def stack(harness: ModuleType, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    # A 75 s engine keep-alive: with uvicorn's 5 s, the engine client's keep-alive race (strict xfail
-    # test_a_request_after_the_servers_keep_alive_expired_is_not_lost) lost 7 of 128 completions in one
-    # run on a loaded machine; this test is about the proxy, that bug has its own deterministic test.
+    # A 75 s engine keep-alive keeps this test about the proxy: the engine client's keep-alive race (now
+    # fixed; its own deterministic test is test_a_request_after_the_servers_keep_alive_expired_is_not_lost)
+    # once lost 7 of 128 completions here on a loaded machine.
     stack = harness.start_stack(tiny_model_dir, tmp_path_factory.mktemp("load"), engine_keep_alive_s=75.0)
     yield stack
     stack.close()
