@@ -6,6 +6,7 @@ list and HTTP session.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 from collections.abc import Callable
 from typing import Any
@@ -18,15 +19,17 @@ _ADMIN_TIMEOUT_S = 600.0  # weight loads can be slow on a big model
 _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, ConnectionError)
 
 
-class AdminCalls:
+class AdminCalls(abc.ABC):
+    """Admin fan-out mixed into `EngineClient`, which provides the server list and the HTTP session."""
+
     _url_source: list[str] | Callable[[], list[str]]
     _servers: dict[str, Any]
 
-    def _refresh_urls(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _refresh_urls(self) -> None: ...
 
-    def _http(self) -> aiohttp.ClientSession:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _http(self) -> aiohttp.ClientSession: ...
 
     # -- admin fan-out ------------------------------------------------------------------------
     async def model_info(self) -> dict[str, Any]:
