@@ -213,17 +213,20 @@ class EngineClient(AdminCalls):
         except _STREAM_ERRORS as exc:
             raise Retryable(f"{type(exc).__name__}: {exc}") from exc
         except TimeoutError:
-            self._abort_later(server.url, rid)
-            raise EngineError(
-                f"stream from {server.url} timed out after {self.request_timeout_s}s "
-                "(raise inference.request_timeout_s?)",
-                server=server.url,
-            ) from None
+            raise self._timed_out(server, rid, "stream from") from None
         except (asyncio.CancelledError, GeneratorExit):
             self._abort_later(server.url, rid)
             raise
         finally:
             server.inflight -= 1
+
+    def _timed_out(self, server: _Server, rid: str, what: str) -> EngineError:
+        """Abort the request on the server (in the background) and say which deadline passed."""
+        self._abort_later(server.url, rid)
+        return EngineError(
+            f"{what} {server.url} timed out after {self.request_timeout_s}s (raise inference.request_timeout_s?)",
+            server=server.url,
+        )
 
     def _body(self, input_ids: list[int], sampling_params: dict[str, Any], *, stream: bool) -> dict[str, Any]:
         return {
@@ -241,12 +244,7 @@ class EngineClient(AdminCalls):
             async with asyncio.timeout(self.request_timeout_s):
                 return await work
         except TimeoutError:
-            self._abort_later(server.url, rid)
-            raise EngineError(
-                f"request to {server.url} timed out after {self.request_timeout_s}s "
-                "(raise inference.request_timeout_s?)",
-                server=server.url,
-            ) from None
+            raise self._timed_out(server, rid, "request to") from None
         except asyncio.CancelledError:
             self._abort_later(server.url, rid)
             raise
