@@ -9,17 +9,18 @@ locally it supervises the processes until the trainer is done.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from rich.console import Console
 
-from pipeline.errors import ArlError
+from pipeline.errors import ArlError, WaitTimeout
 from pipeline.handoff import read_json, write_text_atomic
 from pipeline.launch.jobs import JobRecord, add_record, latest, next_attempt, read_jobs
 from pipeline.launch.plan import StagePlan, plan_run, sbatch_script_path
 from pipeline.launch.rundir import prepare_run_dir, refuse_if_running
 from pipeline.launch.sbatch import render_sbatch
-from pipeline.launch.state import record_states
+from pipeline.launch.state import JobState, record_states
 from pipeline.paths import RunPaths
 from schemas.config import ArlConfig
 
@@ -124,10 +125,28 @@ def _skip_live_stages(plans: list[StagePlan], paths: RunPaths, executor: str, co
     cannot be adopted by a new supervisor, so a local resume needs them stopped first.
     """
     newest = latest(read_jobs(paths))
-    states = record_states(list(newest.values()))
+    states = _states_once_settled(list(newest.values()))
     live = {stage: r for stage, r in newest.items() if states[(stage, r.attempt)].alive}
     if live and executor == "local":
         refuse_if_running(paths, "--resume --executor local")
     for stage, r in sorted(live.items()):
         console.print(f"  {stage:<9} still running (job {r.job_id}, attempt {r.attempt}): kept")
     return [plan for plan in plans if plan.stage not in live]
+
+
+def _states_once_settled(records: list[JobRecord], deadline_s: float = 180.0) -> dict[tuple[str, int], JobState]:
+    """Record states, after waiting (with a deadline) for jobs Slurm is still tearing down to end.
+
+    A job cancelled a moment ago stays COMPLETING in squeue until its processes are reaped; keeping
+    it would leave the stage dead after the resume, relaunching it would run two copies at once.
+    """
+    start = time.monotonic()
+    while True:
+        states = record_states(records)
+        ending = [f"{stage} (attempt {attempt}): {s.state}" for (stage, attempt), s in states.items() if s.ending]
+        if not ending:
+            return states
+        if time.monotonic() - start > deadline_s:
+            raise WaitTimeout(f"--resume waited {deadline_s:.0f} s for Slurm to finish ending "
+                              f"{', '.join(ending)}; check `squeue` and retry")  # fmt: skip
+        time.sleep(2.0)

@@ -20,6 +20,9 @@ FAILED_STATES = frozenset({"FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "N
                            "PREEMPTED", "GONE", "EXITED"})  # fmt: skip
 ALIVE_STATES = frozenset({"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED",
                           "STAGE_OUT", "SIGNALING", "REQUEUE_HOLD", "REQUEUE_FED"})  # fmt: skip
+# Alive but on the way out (e.g. just after `scancel`): squeue shows COMPLETING while sacct may
+# already say CANCELLED, so a resume must wait these out rather than keep or double-launch them.
+ENDING_STATES = frozenset({"COMPLETING", "SIGNALING", "STAGE_OUT"})
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,10 @@ class JobState:
     @property
     def failed(self) -> bool:
         return self.state in FAILED_STATES
+
+    @property
+    def ending(self) -> bool:
+        return self.state in ENDING_STATES
 
 
 def slurm_available() -> bool:
