@@ -81,6 +81,10 @@ def stage(
     """Run one stage in this process (what each Slurm job runs)."""
     import importlib
 
+    from pipeline.launch.jobs import record_this_slurm_job
+    from pipeline.paths import RunPaths
+
+    record_this_slurm_job(RunPaths(run_dir), name.value)
     module = importlib.import_module(f"stages.{name.value}")
     return int(module.main(run_dir=run_dir, step=step) or 0)
 

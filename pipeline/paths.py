@@ -128,6 +128,14 @@ class RunPaths:
     def proxy_admin_key(self) -> Path:
         return self.state / "proxy_admin_key"
 
+    @property
+    def proxy_spool(self) -> Path:
+        """Finished outside sessions the standalone proxy stage has not published yet (one file each)."""
+        return self.state / "proxy_spool"
+
+    def proxy_spool_entry(self, session_id: str) -> Path:
+        return self.proxy_spool / f"{session_id}.json"
+
     # -- metrics and logs -----------------------------------------------------------------
     @property
     def metrics(self) -> Path:
@@ -167,6 +175,11 @@ class RunPaths:
     def sbatch_script(self, stage: str) -> Path:
         """The stage's sbatch script written by `arl launch --dry-run` (also runs with plain `sbatch`)."""
         return self.root / "sbatch" / f"{stage}.sbatch"
+
+    @property
+    def self_recorded_jobs(self) -> Path:
+        """One file per Slurm job that recorded itself (a dry-run script submitted with plain sbatch)."""
+        return self.root / "sbatch" / "self_recorded"
 
     @property
     def submitit_dir(self) -> Path:

@@ -14,11 +14,17 @@ Example:
     }
 
 Only the launcher writes it (one process per launch; a second launch refuses while jobs run),
-always atomically, so `arl status` / `arl stop` never read a torn file.
+always atomically, so `arl status` / `arl stop` never read a torn file. A stage job submitted by
+hand (`sbatch` of a dry-run script) records itself instead, in a file of its own under
+`sbatch/self_recorded/` (so concurrent jobs never rewrite a shared file); readers merge the two.
 """
 
 from __future__ import annotations
 
+import os
+import shlex
+import socket
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -60,16 +66,59 @@ class JobRecord:
 
 def read_jobs(paths: RunPaths) -> dict[str, list[JobRecord]]:
     """Every recorded attempt per stage, oldest first; empty when the run never submitted anything."""
-    if not paths.jobs.exists():
-        return {}
-    try:
-        data = read_json(paths.jobs)
-        return {
-            stage: [JobRecord(stage=stage, **entry) for entry in entries]
-            for stage, entries in data.get("stages", {}).items()
-        }
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise ArlError(f"{paths.jobs} is not a valid jobs file ({exc}); it is written only by `arl launch`") from None
+    jobs: dict[str, list[JobRecord]] = {}
+    if paths.jobs.exists():
+        try:
+            data = read_json(paths.jobs)
+            jobs = {
+                stage: [JobRecord(stage=stage, **entry) for entry in entries]
+                for stage, entries in data.get("stages", {}).items()
+            }
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise ArlError(f"{paths.jobs} is not a valid jobs file ({exc}); it is written only by `arl launch`") \
+                from None
+    for record in _self_recorded(paths):
+        known = jobs.setdefault(record.stage, [])
+        if all(r.job_id != record.job_id for r in known):  # the launcher's own record of a job wins
+            known.append(record)
+            known.sort(key=lambda r: (r.attempt, r.submitted_at))
+    return jobs
+
+
+def _self_recorded(paths: RunPaths) -> list[JobRecord]:
+    """The records Slurm jobs wrote for themselves; an unreadable one is skipped (it names no job we can act on)."""
+    folder = paths.self_recorded_jobs
+    if not folder.is_dir():
+        return []
+    out = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            out.append(JobRecord(**read_json(path)))
+        except (ValueError, TypeError, OSError):
+            continue
+    return out
+
+
+def record_this_slurm_job(paths: RunPaths, stage: str) -> JobRecord | None:
+    """Record the running stage when it is a Slurm job started from our sbatch script by hand.
+
+    Jobs `arl launch` submits are recorded by the launcher, but a dry-run script submitted with plain
+    `sbatch` would otherwise be invisible to `arl status` and `arl stop`. Only the job's first task
+    records (one file per job id); the local executor (ARL_EXECUTOR=local) and runs without
+    ARL_ATTEMPT (not started from our script) never do.
+    """
+    env = os.environ
+    job_id, attempt = env.get("SLURM_JOB_ID"), env.get("ARL_ATTEMPT")
+    first_task = all(env.get(key, "0") == "0" for key in ("RANK", "SLURM_NODEID", "SLURM_PROCID"))
+    if not job_id or not attempt or env.get("ARL_EXECUTOR") == "local" or not first_task:
+        return None
+    if any(r.job_id == job_id for r in read_jobs(paths).get(stage, [])):
+        return None
+    log = paths.stage_log(stage, int(attempt))
+    record = JobRecord(stage=stage, attempt=int(attempt), executor="slurm", log=str(log), host=socket.gethostname(),
+                       command=shlex.join(sys.argv), job_id=job_id)  # fmt: skip
+    write_json_atomic(paths.self_recorded_jobs / f"{stage}.{attempt}.{job_id}.json", asdict(record))
+    return record
 
 
 def write_jobs(paths: RunPaths, jobs: dict[str, list[JobRecord]]) -> None:
@@ -79,7 +128,10 @@ def write_jobs(paths: RunPaths, jobs: dict[str, list[JobRecord]]) -> None:
 
 def add_record(paths: RunPaths, record: JobRecord) -> None:
     jobs = read_jobs(paths)
-    jobs.setdefault(record.stage, []).append(record)
+    known = jobs.setdefault(record.stage, [])
+    # A fast job may have recorded itself before its submitter got here: one record per job id.
+    known[:] = [r for r in known if record.job_id is None or r.job_id != record.job_id]
+    known.append(record)
     write_jobs(paths, jobs)
 
 

@@ -295,3 +295,27 @@ def test_a_dry_run_script_runs_with_plain_sbatch(workdir: Path) -> None:
     assert "train.1.done" in markers(workdir)
     log = (run_dir(workdir) / "logs" / "train" / "attempt_1.log").read_text()
     assert f"job {job}" in log and "fake train.1 running in " + str(workdir) in log
+
+
+@pytest.mark.slurm
+@slurm
+def test_hand_submitted_dry_run_jobs_record_themselves_for_status_and_stop(workdir: Path) -> None:
+    """Jobs from plain `sbatch` of dry-run scripts appear in `arl status` and are cancelled by `arl stop`."""
+    assert arl(workdir, "launch", "config.yaml", "--dry-run").returncode == 0
+    env = {**os.environ, "FAKE_TRAIN_FOREVER": "1"}
+    ids = {}
+    for stage in ("inference", "rollout", "train"):
+        script = run_dir(workdir) / "sbatch" / f"{stage}.sbatch"
+        out = subprocess.run(["sbatch", "--parsable", str(script)], cwd="/", capture_output=True, text=True, env=env,
+                             check=True)  # fmt: skip
+        ids[stage] = out.stdout.strip().split(";")[0]
+    wait_until(lambda: {f"{s}.1.started" for s in ids} <= markers(workdir), "the hand-submitted jobs to run")
+    status = arl(workdir, "status", str(run_dir(workdir)))
+    assert status.returncode == 0 and status.stdout.count("RUNNING") == 3, status.stdout
+    assert all(f"{job}" in status.stdout for job in ids.values()), status.stdout
+    assert not (run_dir(workdir) / "jobs.json").exists()  # each job wrote only its own record
+
+    stop = arl(workdir, "stop", str(run_dir(workdir)))
+    assert stop.returncode == 0, stop.stdout
+    for job in ids.values():
+        wait_until(lambda job=job: sacct_state(job) == "CANCELLED", f"job {job} to be cancelled by arl stop")
