@@ -9,21 +9,27 @@ themselves, so the stage learns about them by watching its own proxy's HTTP traf
 request refreshes the session's last activity. A session idle past `proxy.session_timeout_s`
 (which the proxy ends itself) is exported and counted as abandoned, not trained on.
 
-Finished sessions are exported (admin key, over HTTP) in the order they finish and fill the
-current step; `batch_size` sessions with samples make a step, published like the rollout's
+Finished sessions are exported (admin key, over HTTP) as they finish and fill the current step in
+finish order; `batch_size` sessions with samples make a step, published like the rollout's
 (stale samples dropped, constant groups dropped if configured, metrics line, cursor-free: the
 step number is the first one without a manifest). Admission follows the same staleness rule as
 the rollout: capacity is granted through `/grant_capacity` only for steps whose bound
 k - max_staleness the published weight version meets (this needs `proxy.require_capacity: true`;
 without it sessions are admitted freely and only the per-token check applies).
 
-Sessions exported but not yet published live in memory: a killed stage loses them (their agents
-already have their answers; the step is simply filled by later sessions).
+Nothing finished is lost to a kill: the end call of a session is held until the stage has exported
+the session and written it to the spool (`pipeline.rollout.spool`, `state/proxy_spool/`), so a 2xx
+means the session is on disk. A restarted stage loads the spool and counts those sessions toward the
+next step; a step's manifest lists the sessions it consumed (`extra.consumed_sessions`), their spool
+files are removed after it is published, and on restart spooled sessions a published step already
+holds are dropped, so none is counted twice. If export or spooling fails the end call answers 503
+naming the session and the stage stops with the error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -31,9 +37,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.errors import ArlError
 from pipeline.paths import RunPaths
 from pipeline.rollout.metrics import StepTally
 from pipeline.rollout.proxy_api import RUN_STATUS_HEADER, ProxyAPI
+from pipeline.rollout.spool import CONSUMED_KEY, Spool, SpooledSession
 from pipeline.rollout.staleness import published_version
 from schemas.config import ArlConfig
 
@@ -42,6 +50,8 @@ log = logging.getLogger("arl.proxy.external")
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[dict[str, Any]]], Callable[[dict[str, Any]], Awaitable[None]]],
                    Awaitable[None]]  # fmt: skip
+Recorder = Callable[[str, str], Awaitable[SpooledSession]]
+END_PATHS = ("/rl/end_session", "/rl/v1/finalize")
 
 
 @dataclass
@@ -51,21 +61,20 @@ class Tracked:
     last_seen: float = field(default_factory=time.monotonic)
 
 
-@dataclass(frozen=True)
-class Finished:
-    session_id: str
-    status: str
-    """"ok", "failed", "rejected" or "abandoned"."""
-
-
 class SessionLedger:
-    """What the observer saw: sessions by id and by key, and a queue of finished ones."""
+    """What the observer saw: open sessions by id and by key, and a queue of finished, spooled ones."""
 
     def __init__(self) -> None:
         self.sessions: dict[str, Tracked] = {}
         self.by_key: dict[str, str] = {}
-        self.finished: asyncio.Queue[Finished] = asyncio.Queue()
+        self.finished: asyncio.Queue[SpooledSession] = asyncio.Queue()
         self.started_total = 0
+        self.recording = 0
+        """Sessions being exported and spooled right now (still occupying capacity)."""
+        self.recorder: Recorder | None = None
+        self.ready = asyncio.Event()
+        """Set once `recorder` exists: an end call arriving while the stage starts waits for it."""
+        self.error: BaseException | None = None
 
     def started(self, session_id: str, key: str) -> None:
         self.sessions[session_id] = Tracked(session_id)
@@ -77,18 +86,35 @@ class SessionLedger:
         if session_id in self.sessions:
             self.sessions[session_id].last_seen = time.monotonic()
 
-    def ended(self, session_id: str | None, status: str) -> None:
+    def idle(self, idle_s: float) -> list[str]:
+        now = time.monotonic()
+        return [t.session_id for t in self.sessions.values() if now - t.last_seen > idle_s]
+
+    async def finish(self, session_id: str | None, status: str) -> None:
+        """Export and spool a finished session, then queue it. Raises if either fails (the caller's end
+        call then answers 503) and remembers the error for `check` (the stage then stops)."""
         if session_id is None or session_id not in self.sessions:
             return
         del self.sessions[session_id]
         for key in [k for k, s in self.by_key.items() if s == session_id]:
             del self.by_key[key]
-        self.finished.put_nowait(Finished(session_id, status))
+        self.recording += 1
+        try:
+            await self.ready.wait()
+            assert self.recorder is not None
+            record = await self.recorder(session_id, status)
+        except Exception as exc:
+            self.error = self.error or exc
+            raise
+        finally:
+            self.recording -= 1
+        self.finished.put_nowait(record)
 
-    def sweep_idle(self, idle_s: float) -> None:
-        now = time.monotonic()
-        for tracked in [t for t in self.sessions.values() if now - t.last_seen > idle_s]:
-            self.ended(tracked.session_id, "abandoned")
+    def check(self) -> None:
+        if self.error is not None:
+            raise ArlError(f"a finished outside session could not be exported and spooled ({self.error}); its end "
+                           "call answered 503. Fix the cause (disk full? proxy error in this log?) and restart the "
+                           "stage: every session it had spooled is kept.") from self.error  # fmt: skip
 
 
 class SessionObserver:
@@ -105,30 +131,55 @@ class SessionObserver:
         key = _key(headers)
         path = scope["path"]
         self.ledger.seen(key)
-        if path not in ("/rl/start_session", "/rl/end_session", "/rl/v1/finalize"):
+        if path == "/rl/start_session":
+            return await self._start(scope, receive, send)
+        if path not in END_PATHS:
             return await self.app(scope, receive, send)
         body, replay = await _buffer(receive)
+        held: list[dict[str, Any]] = []
+
+        async def hold(message: dict[str, Any]) -> None:
+            held.append(message)
+
+        await self.app(scope, replay, hold)
+        status = next((int(m["status"]) for m in held if m["type"] == "http.response.start"), 500)
+        if status < 300:
+            session_id = _json(body).get("session_id") or self.ledger.by_key.get(key or "")
+            run_status = headers.get(RUN_STATUS_HEADER, "ok")
+            try:  # the answer waits until the session is on disk: a 2xx promises it is not lost
+                await self.ledger.finish(session_id, run_status if run_status in ("failed", "rejected") else "ok")
+            except Exception as exc:
+                log.exception("session %s ended but could not be exported and spooled", session_id)
+                held = _error_response(503, f"session {session_id} ended, but the proxy stage could not save it "
+                                       f"({type(exc).__name__}: {exc}); it will not be trained on")  # fmt: skip
+        for message in held:
+            await send(message)
+
+    async def _start(self, scope: Scope, receive: Any, send: Any) -> None:
         status: list[int] = []
         chunks: list[bytes] = []
 
         async def capture(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 status.append(int(message["status"]))
-            elif message["type"] == "http.response.body" and path == "/rl/start_session":
+            elif message["type"] == "http.response.body":
                 chunks.append(message.get("body", b""))
             await send(message)
 
-        await self.app(scope, replay, capture)
-        if not status or status[0] >= 300:
-            return
-        if path == "/rl/start_session":
+        await self.app(scope, receive, capture)
+        if status and status[0] < 300:
             data = _json(b"".join(chunks))
             if "session_id" in data and "api_key" in data:
                 self.ledger.started(str(data["session_id"]), str(data["api_key"]))
-            return
-        session_id = _json(body).get("session_id") or self.ledger.by_key.get(key or "")
-        run_status = headers.get(RUN_STATUS_HEADER, "ok")
-        self.ledger.ended(session_id, run_status if run_status in ("failed", "rejected") else "ok")
+
+
+def _error_response(status: int, message: str) -> list[dict[str, Any]]:
+    from pipeline.proxy.errors import ApiError
+
+    body = json.dumps(ApiError(status, message).openai_body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    return [{"type": "http.response.start", "status": status, "headers": headers},
+            {"type": "http.response.body", "body": body, "more_body": False}]  # fmt: skip
 
 
 async def _buffer(receive: Any) -> tuple[bytes, Any]:
@@ -190,29 +241,56 @@ async def admit(admin: ProxyAPI, admission: Admission, ledger: SessionLedger, pa
     count = admission.slots(step=step, version=published_version(paths.weight_version),
                             max_staleness=config.rollout.max_staleness, num_steps=config.num_steps,
                             batch_size=config.rollout.batch_size, buffered=buffered,
-                            in_flight=len(ledger.sessions), started_total=ledger.started_total)  # fmt: skip
+                            in_flight=len(ledger.sessions) + ledger.recording,
+                            started_total=ledger.started_total)  # fmt: skip
     if count > 0:
         await admin.grant_capacity(count)
         admission.granted += count
 
 
-async def collect_one(admin: ProxyAPI, finished: Finished, config: ArlConfig, step: int,
-                      tally: StepTally) -> list[dict[str, Any]]:  # fmt: skip
-    """Export one finished session; its rows for the current step (none unless it ended well)."""
+async def record_session(admin: ProxyAPI, spool: Spool, config: ArlConfig, session_id: str,
+                         status: str) -> SpooledSession:  # fmt: skip
+    """Export one finished session and write it to the spool; durable when this returns."""
     from pipeline.rollout.loop import export_session
 
     cfg = config.rollout
-    exported = await export_session(admin, finished.session_id, cfg.export_style, cfg.discount)
-    if exported is None:
-        tally.add_error(f"external session {finished.session_id} could not be exported", timed_out=False)
+    exported = await export_session(admin, session_id, cfg.export_style, cfg.discount)
+    if exported is None:  # the proxy refused (logged by export_session): recorded so the tally survives
+        record = SpooledSession(session_id, "unexported", time.time())
+    else:
+        record = SpooledSession(session_id, status, time.time(), num_interactions=int(exported["num_interactions"]),
+                                prefix_breaks=int(exported["prefix_breaks"]),
+                                samples=tuple(exported["samples"]))  # fmt: skip
+    await asyncio.to_thread(spool.write, record)  # fsyncs: off the event loop, other sessions keep going
+    return record
+
+
+def count_session(record: SpooledSession, step: int, tally: StepTally) -> list[dict[str, Any]]:
+    """Tally one finished session; its rows for the step (none unless it ended well)."""
+    if record.status == "unexported":
+        tally.add_error(f"external session {record.session_id} could not be exported", timed_out=False)
         return []
-    rows = [{**row, "step": step} for row in exported["samples"]]
-    if finished.status in ("failed", "abandoned"):
-        tally.add_error(f"external session {finished.session_id} {finished.status}", timed_out=False)
+    if record.status in ("failed", "abandoned"):
+        tally.add_error(f"external session {record.session_id} {record.status}", timed_out=False)
         return []
-    tally.add_finished(rejected=finished.status == "rejected", num_interactions=int(exported["num_interactions"]),
-                       prefix_breaks=int(exported["prefix_breaks"]), samples=len(rows))  # fmt: skip
-    return [] if finished.status == "rejected" else rows
+    rows = [{**row, "step": step} for row in record.samples]
+    tally.add_finished(rejected=record.status == "rejected", num_interactions=record.num_interactions,
+                       prefix_breaks=record.prefix_breaks, samples=len(rows))  # fmt: skip
+    return [] if record.status == "rejected" else rows
+
+
+@dataclass
+class ExternalRun:
+    """What the stage's step loop works with."""
+
+    admin: ProxyAPI
+    ledger: SessionLedger
+    spool: Spool
+    paths: RunPaths
+    config: ArlConfig
+    sink: Any
+    name: str
+    admission: Admission = field(default_factory=Admission)
 
 
 async def run_external(config: ArlConfig, paths: RunPaths, *, name: str = "external",
@@ -226,6 +304,11 @@ async def run_external(config: ArlConfig, paths: RunPaths, *, name: str = "exter
                     "version; only the per-token staleness check applies")  # fmt: skip
     steps = [only_step] if only_step is not None else missing_steps(paths, config.num_steps)
     ledger = SessionLedger()
+    spool = Spool(paths)
+    for record in spool.load():  # before serving: no write of ours is under way while its leftovers are swept
+        ledger.finished.put_nowait(record)
+    if ledger.finished.qsize() and steps:
+        log.info("%d finished sessions from %s count toward step %d", ledger.finished.qsize(), spool.dir, steps[0])
 
     def observe(app: Any) -> None:
         app.add_middleware(SessionObserver, ledger=ledger)
@@ -233,39 +316,61 @@ async def run_external(config: ArlConfig, paths: RunPaths, *, name: str = "exter
     sink = open_sink(paths)
     async with open_services(config, paths, name=name, app_hook=observe) as services:
         try:
-            admission = Admission()
+            ledger.recorder = functools.partial(record_session, services.admin, spool, config)
+            ledger.ready.set()
+            run = ExternalRun(services.admin, ledger, spool, paths, config, sink, name)
             for step in steps:
-                await external_step(services.admin, admission, ledger, paths, config, step, sink, name)
+                await external_step(run, step)
         finally:
             sink.close()
+    if spool.pending():
+        log.info("%d finished sessions stay in %s for a later run of this stage", spool.pending(), spool.dir)
     return steps
 
 
-async def external_step(admin: ProxyAPI, admission: Admission, ledger: SessionLedger, paths: RunPaths,
-                        config: ArlConfig, step: int, sink: Any, name: str) -> None:  # fmt: skip
-    """Fill one step with `batch_size` finished sessions, then publish it like the rollout does."""
-    from pipeline.rollout.loop import filter_rows
-    from pipeline.shards import write_step
+async def external_step(run: ExternalRun, step: int) -> None:
+    """Fill one step with `batch_size` finished sessions, publish it like the rollout does, then unspool them."""
+    tally = StepTally(step, weight_version=published_version(run.paths.weight_version))
+    rows, consumed, sessions = await fill_step(run, step, tally)
+    stats = publish_external_step(run.paths, run.config, step, rows, consumed, tally, run.name)
+    run.spool.remove(consumed)  # only now: a crash before this is undone on restart via the manifest
+    run.sink.log(step, stats)
+    log.info("step %d published from %d outside sessions: %d samples, reward mean %s, %d failed/abandoned",
+             step, sessions, stats["samples"], stats["reward_mean"], tally.agent_errors)  # fmt: skip
 
-    tally = StepTally(step, weight_version=published_version(paths.weight_version))
+
+async def fill_step(run: ExternalRun, step: int, tally: StepTally) -> tuple[list[dict[str, Any]], list[str], int]:
+    """Rows of the next finished sessions until `batch_size` of them had samples; every session id consumed."""
+    ledger, config = run.ledger, run.config
     rows: list[dict[str, Any]] = []
+    consumed: list[str] = []
     sessions = 0
     while sessions < config.rollout.batch_size:
-        await admit(admin, admission, ledger, paths, config, step, sessions + ledger.finished.qsize())
-        ledger.sweep_idle(config.proxy.session_timeout_s + 5.0)
+        ledger.check()
+        await admit(run.admin, run.admission, ledger, run.paths, config, step, sessions + ledger.finished.qsize())
+        for session_id in ledger.idle(config.proxy.session_timeout_s + 5.0):
+            await ledger.finish(session_id, "abandoned")
         try:
-            finished = await asyncio.wait_for(ledger.finished.get(), 0.5)
+            record = await asyncio.wait_for(ledger.finished.get(), 0.5)
         except TimeoutError:
             continue
-        new = await collect_one(admin, finished, config, step, tally)
+        consumed.append(record.session_id)
+        new = count_session(record, step, tally)
         if new:
             rows.extend(new)
             sessions += 1
+    return rows, consumed, sessions
+
+
+def publish_external_step(paths: RunPaths, config: ArlConfig, step: int, rows: list[dict[str, Any]],
+                          consumed: list[str], tally: StepTally, name: str) -> dict[str, Any]:  # fmt: skip
+    """Filter and publish the step; its manifest lists `consumed` (what a restart must not count again)."""
+    from pipeline.rollout.loop import filter_rows
+    from pipeline.shards import write_step
+
     rows = filter_rows(rows, step, config, tally)
     stats = tally.summary(rows)
     rows.sort(key=lambda r: (r["group_id"], r["session_id"], r["sample_id"]))
     write_step(paths, step, rows, producer=f"proxy-{name}", tokenizer=config.model.tokenizer or config.model.path,
-               extra=stats)  # fmt: skip
-    sink.log(step, stats)
-    log.info("step %d published from %d outside sessions: %d samples, reward mean %s, %d failed/abandoned",
-             step, sessions, len(rows), stats["reward_mean"], tally.agent_errors)  # fmt: skip
+               extra={**stats, CONSUMED_KEY: consumed})  # fmt: skip
+    return stats
