@@ -2,7 +2,8 @@
 
 Binds to `proxy.host:proxy.port`, registers `registry/proxy/external.json` (URL only, never a key),
 accepts `proxy.client_keys`, and publishes a step per `rollout.batch_size` finished sessions
-(`pipeline.rollout.external`). `--step N` fills and publishes exactly step N.
+(`pipeline.rollout.external`); each finished session is kept in `state/proxy_spool/` until its step
+is published, so a restart loses none. `--step N` fills and publishes exactly step N.
 """
 
 from __future__ import annotations

@@ -3,5 +3,6 @@
 Modules: `agents` (resolving and calling user agents), `data` (datasets and the deterministic step
 schedule), `runner` (one run, inline or in a subprocess), `proxy_api` (the proxy's HTTP API as the
 rollout uses it), `staleness` (weight-version gate and per-token checks), `metrics` (per-step
-statistics), `loop` (the per-step loop), `external` (steps from outside agents), `router`.
+statistics), `loop` (the per-step loop), `external` (steps from outside agents), `spool` (the
+standalone proxy's on-disk record of finished, unpublished sessions), `router`.
 """

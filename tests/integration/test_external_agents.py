@@ -113,6 +113,7 @@ async def test_external_agent_process_fills_steps(tmp_path: Path, tiny_model_dir
         manifest = read_manifest(paths, step)
         assert manifest.producer == "proxy-external" and manifest.extra["sessions"] == 4
     assert not paths.proxy_entry("external").exists()
+    assert not list(paths.proxy_spool.glob("*.json")), "every spooled session was published, then removed"
 
 
 async def test_external_sessions_wait_for_fresh_weights(tmp_path: Path, tiny_model_dir: Path, engine_url: str) -> None:
@@ -144,3 +145,25 @@ async def test_external_sessions_wait_for_fresh_weights(tmp_path: Path, tiny_mod
     extra = read_manifest(paths, 1).extra
     assert extra["dropped_stale"] == 4 and extra["samples"] == 0
     assert read_manifest(paths, 0).extra["dropped_stale"] == 0
+
+
+async def test_a_session_that_cannot_be_spooled_answers_503_and_stops_the_stage(tmp_path: Path, tiny_model_dir: Path,
+                                                                                engine_url: str) -> None:  # fmt: skip
+    """A 2xx end call promises the session is on disk; when it cannot be written, the agent is told."""
+    from pipeline.client import AgentSession
+    from pipeline.rollout.external import run_external
+    from pipeline.rollout.proxy_api import ProxyAPIError
+
+    config, paths = make_run(tmp_path, tiny_model_dir, engine_url, max_staleness=1)
+    stage = asyncio.create_task(run_external(config, paths))
+    await wait_until(lambda: paths.proxy_entry("external").exists(), stage)
+    paths.proxy_spool.write_text("a file where the spool directory belongs")  # writes fail, as on a dead disk
+    with pytest.raises(ProxyAPIError) as refused:
+        async with AgentSession(paths.root, client_key=CLIENT_KEY) as session:
+            await one_call(session)
+            await session.set_reward(1.0)
+    assert refused.value.status == 503
+    assert session.session_id in refused.value.body and "could not save it" in refused.value.body
+    with pytest.raises(ArlError, match="could not be exported and spooled"):
+        await asyncio.wait_for(stage, 60)
+    assert paths.complete_steps() == []

@@ -92,8 +92,9 @@ def test_crash_between_publication_and_spool_removal_duplicates_nothing(tmp_path
     assert len({r["session_id"] for r in read_step(paths, 0).to_pylist()}) == 4
 
 
-def test_leftover_tmp_and_damaged_spool_files_are_reported_not_loaded(tmp_path: Path,
-                                                                    caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+def test_leftover_tmp_and_damaged_spool_files_are_reported_not_loaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     paths = RunPaths(tmp_path / "run")
     spool = Spool(paths)
     (good,) = _records(seed=3)[:1]
