@@ -167,6 +167,7 @@ def serve_proxy(model_dir: str, engine_url: str, host: str, port: int) -> None:
 
     from pipeline.engine.client import EngineClient
     from pipeline.logs import setup_logging
+    from pipeline.proxy.auth import caller_of
     from pipeline.proxy.server import ProxyServer
     from schemas.config.model import ModelConfig
     from schemas.config.proxy import ProxyConfig
@@ -181,8 +182,10 @@ def serve_proxy(model_dir: str, engine_url: str, host: str, port: int) -> None:
         config = ProxyConfig(**{"host": host, "port": port, "max_sessions": 100_000, "client_keys": clients, **extra})
         proxy = ProxyServer(ModelConfig(path=model_dir), config, engine, admin_key=admin)
 
+        proxy.protect("/_load/stats", "admin")
+
         @proxy.app.get("/_load/stats")
-        async def stats(caller: Any = Depends(proxy.admin_caller)) -> Any:
+        async def stats(caller: Any = Depends(caller_of)) -> Any:
             gc.collect()
             return JSONResponse({"sessions": len(proxy.store.sessions), "open": proxy.store.open_count(),
                                  "objects": len(gc.get_objects()), "engine_inflight": engine.inflight()})  # fmt: skip

@@ -1,4 +1,4 @@
-"""HTTP plumbing of the proxy: key extraction, JSON responses, the body-size limit, error handlers.
+"""HTTP plumbing of the proxy: JSON responses, the body-size limit, error handlers.
 
 Every failure leaves as a 4xx (or a 502/503 when an inference server fails) in the API's own
 error shape: FastAPI's 422 validation errors become 400s, unknown routes 404s, wrong methods
@@ -80,17 +80,6 @@ def is_anthropic(path: str) -> bool:
     return path.startswith(ANTHROPIC_PATHS)
 
 
-def presented_key(request: Request) -> str | None:
-    """The key from `Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic's header)."""
-    auth = request.headers.get("authorization")
-    if auth:
-        scheme, _, value = auth.partition(" ")
-        if scheme.lower() == "bearer" and value.strip():
-            return value.strip()
-    key = request.headers.get("x-api-key")
-    return key.strip() if key else None
-
-
 def json_response(obj: Any, status: int = 200) -> Response:
     body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
     return Response(content=body, status_code=status, media_type="application/json")
@@ -122,10 +111,10 @@ class BodyLimit:
                 try:
                     size = int(value)
                 except ValueError:
-                    await self._reject(path, send, ApiError(400, "invalid Content-Length header"))
+                    await send_error(path, send, ApiError(400, "invalid Content-Length header"))
                     return
                 if size > self.max_bytes:
-                    await self._reject(path, send, self._too_large(size))
+                    await send_error(path, send, self._too_large(size))
                     return
         received = 0
         started = False
@@ -149,17 +138,19 @@ class BodyLimit:
             await self.app(scope, limited_receive, tracking_send)
         except _TooLarge as exc:
             if not started:
-                await self._reject(path, send, self._too_large(exc.size))
+                await send_error(path, send, self._too_large(exc.size))
 
     def _too_large(self, size: int) -> ApiError:
         return ApiError(413, f"request body is {size} bytes, more than the proxy accepts "
                         f"({self.max_bytes} bytes, proxy.max_request_bytes)")  # fmt: skip
 
-    async def _reject(self, path: str, send: Send, err: ApiError) -> None:
-        response = error_response(path, err)
-        await send({"type": "http.response.start", "status": response.status_code,
-                    "headers": [(k.encode(), v.encode()) for k, v in response.headers.items()]})  # fmt: skip
-        await send({"type": "http.response.body", "body": response.body})
+
+async def send_error(path: str, send: Send, err: ApiError) -> None:
+    """Answer `err` straight from an ASGI middleware, in the same shape as the app's error handlers."""
+    response = error_response(path, err)
+    await send({"type": "http.response.start", "status": response.status_code,
+                "headers": [(k.encode(), v.encode()) for k, v in response.headers.items()]})  # fmt: skip
+    await send({"type": "http.response.body", "body": response.body})
 
 
 class _TooLarge(Exception):

@@ -23,19 +23,11 @@ from starlette.responses import Response, StreamingResponse
 
 from pipeline.engine.client import EngineClient
 from pipeline.proxy import anthropic_messages, openai_chat, openai_responses, rl
+from pipeline.proxy.auth import ROUTE_KEYS, KeyCheck, caller_of, check_routes
 from pipeline.proxy.core import Generator
-from pipeline.proxy.errors import ApiError
-from pipeline.proxy.http import (
-    BodyLimit,
-    body_doc,
-    document_bodies,
-    install_error_handlers,
-    json_response,
-    parse_body,
-    presented_key,
-)
+from pipeline.proxy.http import BodyLimit, body_doc, document_bodies, install_error_handlers, json_response, parse_body
 from pipeline.proxy.parsers import check_parser_names
-from pipeline.proxy.sessions import Caller, Session, SessionStore
+from pipeline.proxy.sessions import Caller, KeyKind, Session, SessionStore
 from pipeline.proxy.streaming import SSE_HEADERS
 from pipeline.proxy.tokenize import ChatTokenizer
 from schemas.api.anthropic import MessagesRequest
@@ -67,6 +59,7 @@ class ProxyServer:
         self.tokenizer = ChatTokenizer(model.tokenizer or model.path, model.chat_template, model_dir=model.path)
         self.store = SessionStore(proxy, admin_key)
         self.generator = Generator(self.tokenizer, engine, model, proxy)
+        self.route_keys: dict[str, tuple[KeyKind, ...]] = dict(ROUTE_KEYS)
         self.app = build_app(self)
         self._server: Any = None
         self._serve_task: asyncio.Task[None] | None = None
@@ -74,35 +67,24 @@ class ProxyServer:
         self.url: str | None = None
 
     # -- auth -------------------------------------------------------------------------------
-    def caller(self, request: Request, *kinds: str) -> Caller:
-        caller = self.store.identify(presented_key(request))
-        if kinds and caller.kind not in kinds:
-            raise ApiError(403, f"this endpoint needs a {' or '.join(kinds)} key, not a {caller.kind} key")
-        return caller
-
-    # FastAPI dependencies: they run before the body is validated, so a bad key is a 401 whatever the body.
-    async def any_caller(self, request: Request) -> Caller:
-        return self.caller(request)
-
-    async def admin_caller(self, request: Request) -> Caller:
-        return self.caller(request, "admin")
-
-    async def session_caller(self, request: Request) -> Caller:
-        return self.caller(request, "session")
+    def protect(self, path: str, *kinds: KeyKind) -> None:
+        """Give a route added to `self.app` after construction its key rule (checked by `auth.KeyCheck`)."""
+        self.route_keys[path] = kinds
 
     async def session_for_call(self, request: Request) -> Session:
-        """The open session behind a session key (LLM calls)."""
-        caller = self.caller(request, "session")
-        assert caller.session is not None
-        self.store.check_open(caller.session)
-        caller.session.touch()
-        return caller.session
+        """The open session behind a session key (LLM calls): 410 once it has ended, before the body is read."""
+        session = caller_of(request).session
+        assert session is not None  # KeyCheck admits only session keys on these routes
+        self.store.check_open(session)
+        session.touch()
+        return session
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> str:
         """Serve on `proxy.host:proxy.port` (0 = a free port) inside the running loop; return the base URL."""
         import uvicorn
 
+        check_routes(self.app, self.route_keys)
         await self.engine.start()
         config = uvicorn.Config(self.app, host=self.config.host, port=self.config.port, log_level="warning",
                                 access_log=False, lifespan="off", timeout_keep_alive=60)  # fmt: skip
@@ -158,29 +140,31 @@ def build_app(proxy: ProxyServer) -> FastAPI:
                   description="OpenAI/Anthropic-compatible proxy recording exact tokens for RL (SPEC §4).")  # fmt: skip
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=proxy.config.max_request_bytes)
+    # Added last, so it runs first: a request without a valid key learns nothing about bodies or limits.
+    app.add_middleware(KeyCheck, store=proxy.store, routes=proxy.route_keys)
     served = proxy.model.served_name
 
     @app.get("/health")
     async def health() -> Response:
         return json_response({"status": "ok", "model": served, "open_sessions": proxy.store.open_count()})
 
-    any_key = Depends(proxy.any_caller)
-    admin = Depends(proxy.admin_caller)
+    # The key kinds of each route are in auth.ROUTE_KEYS, checked before the body is read.
+    caller_dep = Depends(caller_of)
     session_call = Depends(proxy.session_for_call)
 
     @app.get("/v1/models")
-    async def models(caller: Caller = any_key) -> Response:
+    async def models(caller: Caller = caller_dep) -> Response:
         return json_response({"object": "list", "data": [
             {"id": served, "object": "model", "created": 0, "owned_by": "arl", "type": "model", "display_name": served,
              "created_at": "1970-01-01T00:00:00Z", "max_model_len": proxy.model.max_context}]})  # fmt: skip
 
     @app.post("/grant_capacity")
-    async def grant_capacity(caller: Caller = admin, body: GrantCapacityRequest | None = None) -> Response:
+    async def grant_capacity(caller: Caller = caller_dep, body: GrantCapacityRequest | None = None) -> Response:
         available = proxy.store.grant((body or GrantCapacityRequest()).count)
         return json_response({"available": available})
 
     @app.post("/rl/start_session")
-    async def start_session(caller: Caller = any_key, body: StartSessionRequest | None = None) -> Response:
+    async def start_session(caller: Caller = caller_dep, body: StartSessionRequest | None = None) -> Response:
         return json_response(rl.start_session(proxy.store, caller, body))
 
     # The LLM routes parse their bodies themselves (the hot path; see http.parse_body).
@@ -207,23 +191,23 @@ def build_app(proxy: ProxyServer) -> FastAPI:
         return await anthropic_messages.handle(proxy.generator, session, body, served)
 
     @app.post("/rl/set_reward")
-    async def set_reward(body: SetRewardRequest, caller: Caller = any_key) -> Response:
+    async def set_reward(body: SetRewardRequest, caller: Caller = caller_dep) -> Response:
         return json_response(rl.set_reward(proxy.store, caller, body))
 
     @app.post("/rl/end_session")
-    async def end_session(caller: Caller = any_key, body: EndSessionRequest | None = None) -> Response:
+    async def end_session(caller: Caller = caller_dep, body: EndSessionRequest | None = None) -> Response:
         return json_response(rl.end_session(proxy.store, caller, body, "end_session"))
 
     @app.post("/export_trajectories")
-    async def export_trajectories(body: ExportRequest, caller: Caller = admin) -> Response:
+    async def export_trajectories(body: ExportRequest, caller: Caller = caller_dep) -> Response:
         return json_response(rl.export(proxy.store, caller, body))
 
     @app.post("/rl/v1/set_reward")
-    async def any_agent_set_reward(body: AnyAgentSetReward, caller: Caller = Depends(proxy.session_caller)) -> Response:
+    async def any_agent_set_reward(body: AnyAgentSetReward, caller: Caller = caller_dep) -> Response:
         return json_response(rl.any_agent_set_reward(proxy.store, caller, body))
 
     @app.post("/rl/v1/finalize")
-    async def any_agent_finalize(body: AnyAgentFinalize, caller: Caller = Depends(proxy.session_caller)) -> Response:
+    async def any_agent_finalize(body: AnyAgentFinalize, caller: Caller = caller_dep) -> Response:
         return json_response(rl.finalize(proxy.store, caller, body))
 
     document_bodies(app, [ChatCompletionRequest, ResponsesRequest, MessagesRequest])

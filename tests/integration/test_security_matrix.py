@@ -183,15 +183,38 @@ def test_forged_and_ended_session_keys(proxy: Proxy) -> None:
     proxy.bodies += [("/v1/models", both.status_code, both.text), ("/v1/models", odd.status_code, odd.text)]
 
 
-@pytest.mark.xfail(strict=True, reason="pipeline/proxy/server.py: FastAPI decodes a JSON body before it runs the "
-                   "key dependencies, so a request with no (or a wrong) key and a body that is not JSON answers 400 "
-                   "'not valid JSON' instead of 401, contrary to the comment on the auth dependencies; minor (it "
-                   "reveals only that the endpoint parses JSON). Fix: check the key in a middleware (or a router "
-                   "dependency run before body parsing) for every route but /health")  # fmt: skip
 def test_a_missing_key_is_401_even_with_a_body_that_is_not_json(proxy: Proxy) -> None:
     reply = proxy.http.post(proxy.url + "/rl/set_reward", content=b"not json",
                             headers={"Content-Type": "application/json"})  # fmt: skip
     assert reply.status_code == 401, reply.text
+
+
+@pytest.mark.parametrize("endpoint", [e for e in MATRIX if e.startswith("POST ")])
+def test_keys_are_checked_before_the_body_is_read(proxy: Proxy, endpoint: str) -> None:
+    """No key, a wrong key or a key of the wrong kind is refused in the API's own shape, whatever the body."""
+    path = endpoint.split(" ")[1]
+    session = start(proxy, proxy.admin)["api_key"]
+    proxy.secrets_seen.add(session)
+    wrong = "sk-" + secrets.token_urlsafe(24)
+    proxy.secrets_seen.add(wrong)
+    expected = dict(zip(KINDS, MATRIX[endpoint], strict=True))
+    for kind, key in (("none", None), ("wrong", wrong), ("session", session), ("admin", proxy.admin)):
+        headers = {"Content-Type": "application/json"}
+        if key is not None and path == "/v1/messages":
+            headers["x-api-key"] = key
+        elif key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        reply = proxy.http.post(proxy.url + path, content=b"{not json", headers=headers)
+        proxy.bodies.append((path, reply.status_code, reply.text))
+        want = expected[kind] if expected[kind] in (401, 403) else 400  # an accepted key reaches the JSON check
+        assert reply.status_code == want, f"{endpoint} with a {kind} key: {reply.status_code} {reply.text[:300]}"
+        data = reply.json()
+        if path == "/v1/messages":
+            assert data["type"] == "error" and data["error"]["type"] and data["error"]["message"], data
+        else:
+            assert data["error"]["type"] and data["error"]["message"], data
+        if want == 400:
+            assert "JSON" in data["error"]["message"], data
 
 
 def other_addresses() -> list[str]:
