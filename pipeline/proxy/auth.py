@@ -13,7 +13,7 @@ pass through untouched; `check_routes` (at start-up) makes sure no route is left
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
-from fastapi.routing import APIRoute
+from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pipeline.proxy.errors import ApiError
@@ -98,7 +98,7 @@ def caller_of(request: Request) -> Caller:
 
 def check_routes(app: FastAPI, routes: dict[str, tuple[KeyKind, ...]]) -> None:
     """Every route is public or has a key rule: nothing is left open (or unusable) by accident."""
-    paths = {route.path for route in app.routes if isinstance(route, APIRoute)}
-    unlisted = paths - PUBLIC_PATHS - routes.keys()
+    paths = {route.path for route in app.routes if isinstance(route, Route)}
+    unlisted = paths - PUBLIC_PATHS - {app.openapi_url} - routes.keys()
     if unlisted:
         raise RuntimeError(f"proxy routes without a key rule: {sorted(unlisted)} (add them with ProxyServer.protect)")

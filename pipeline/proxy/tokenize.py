@@ -15,6 +15,13 @@ sampled, so it belongs to the new suffix. Dropping it (taking F[len(P):] alone) 
 exists to avoid. If generation ended without the end-of-turn token (length limit, stop string), the
 whole close is added, so the engine still sees well-formed turns.
 
+Rendering only what is new. Rendering the whole history on every call costs time in proportion to
+its length. With the parent's rendered text kept, a template that passes the start-up probes of
+template_probe.py gets P from that text + the assistant turn (turn-local), and the new text from
+a render of a short window: a stand-in user turn + the assistant message + the new messages
+(suffix-local). A sample of these window renders is checked against full renders. Templates that
+fail a probe render the whole conversation once or twice; all paths give the same text.
+
 Tokenizing fast and exactly. A tokenizer first cuts its input at added tokens (`<|im_end|>`,
 `<tool_call>`, ...) and encodes the pieces between independently, so encoding piece by piece is the
 same as encoding the whole text. Pieces repeat across sessions (system prompt, tool schemas), so
@@ -25,6 +32,7 @@ single_word/normalized flags); otherwise the whole text is encoded.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -32,29 +40,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.proxy import template_probe
 from pipeline.proxy.errors import ApiError, bad_request
 from pipeline.proxy.messages import Message
 
+log = logging.getLogger("arl.proxy.tokenize")
+
 _SENTINEL = "\x00ARL_SENTINEL\x00"
-_PROBE_USER = [{"role": "user", "content": "u"}]
-_PROBE_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-_PROBE_CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
-_PROBE_REPLIES: list[dict[str, Any]] = [
-    {"role": "assistant", "content": "a"},
-    {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]},
-    {"role": "assistant", "content": "b", "reasoning_content": "r", "tool_calls": [_PROBE_CALL, _PROBE_CALL]},
-]
-_PROBE_CONTEXTS: list[tuple[list[dict], list[dict] | None]] = [
-    ([{"role": "user", "content": "q"}], None),
-    ([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}], _PROBE_TOOLS),
-    ([{"role": "user", "content": "q"},
-      {"role": "assistant", "content": "", "reasoning_content": "t", "tool_calls": [_PROBE_CALL]},
-      {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}], _PROBE_TOOLS),
-    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
-      {"role": "user", "content": "q2"}], None),
-]  # fmt: skip
 _CACHE_ENTRIES = 8192
 _CACHE_MAX_CHARS = 65536  # pieces longer than this are encoded but not cached
+_VERIFY_EVERY = 64  # window renders per check against a full render (the first one is always checked)
 
 
 @dataclass(frozen=True)
@@ -93,8 +88,12 @@ class ChatTokenizer:
         self.stop_token_ids = _stop_token_ids(self.hf, Path(model_dir or self.path))
         self.close_text = self._detect_turn_close()
         self._turns: OrderedDict[str, str] = OrderedDict()
-        self._generation_prompt = ""
-        self.turn_local = self._probe_turn_local()
+        self._window_text = self.render(template_probe.WINDOW, None, add_generation_prompt=False)
+        self.generation_prompt = template_probe.generation_prompt(self)
+        self.turn_local = template_probe.turn_local(self)
+        self.suffix_local = self.turn_local and template_probe.suffix_local(self)
+        self.verify_every = _VERIFY_EVERY
+        self._windowed = 0
 
     # -- rendering ------------------------------------------------------------------------
     def render(self, messages: Sequence[Message], tools: Sequence[dict] | None, add_generation_prompt: bool) -> str:
@@ -170,34 +169,79 @@ class ChatTokenizer:
         assistant message of an interaction that generated `parent_output_ids`.
 
         `parent_text` is the parent's own full render (its messages + generation prompt), given when
-        `messages[:prefix_len - 1]` are exactly the parent's messages: with a turn-local template the
-        prefix render is then built from it without rendering the history again.
+        `messages[:prefix_len - 1]` are exactly the parent's messages. With a turn-local template the
+        prefix render is then built from it, and with a suffix-local one the new text comes from a
+        window render too, so the history is rendered no more than it is tokenized (see
+        template_probe.py). Otherwise the whole conversation is rendered once or twice.
 
         Returns None when the template is not prefix-stable for this conversation (rendering the
         longer conversation changes earlier text); the caller then re-renders in full and records
         a prefix break.
         """
-        full_text = self.render(messages, tools, add_generation_prompt=True)
-        prefix_text = None
+        prefix_text = turn = None
         if parent_text is not None and self.turn_local:
-            prefix_text = self._prefix_from_parent(parent_text, messages[prefix_len - 1])
-            if prefix_text is not None and not full_text.startswith(prefix_text):
-                prefix_text = None
-        if prefix_text is None:
+            turn = self.assistant_turn(messages[prefix_len - 1])
+            prefix_text = self._prefix_from_parent(parent_text, turn)
+        if prefix_text is not None and turn is not None and self.suffix_local:
+            new_text = self._windowed_suffix(messages, tools, prefix_len, prefix_text, turn)
+            if new_text is not None:
+                return self._extension(prefix_text, new_text, parent_output_ids, prefill)
+        full_text = self.render(messages, tools, add_generation_prompt=True)
+        if prefix_text is None or not full_text.startswith(prefix_text):
             prefix_text = self.render(messages[:prefix_len], tools, add_generation_prompt=False)
-        if not full_text.startswith(prefix_text) or not prefix_text.endswith(self.close_text):
+        if not full_text.startswith(prefix_text):
+            return None
+        return self._extension(prefix_text, full_text[len(prefix_text) :], parent_output_ids, prefill)
+
+    def _extension(self, prefix_text: str, new_text: str, parent_output_ids: Sequence[int],
+                   prefill: str) -> Extension | None:  # fmt: skip
+        if not prefix_text.endswith(self.close_text):
             return None
         tail = self.close_tail(parent_output_ids)
-        return Extension(self.encode(tail + full_text[len(prefix_text) :] + prefill), tail, full_text)
+        return Extension(self.encode(tail + new_text + prefill), tail, prefix_text + new_text)
 
-    # -- the one-render fast path -------------------------------------------------------------
-    def _prefix_from_parent(self, parent_text: str, assistant: Message) -> str | None:
-        """render(parent messages + assistant) from the parent's render, for a turn-local template."""
-        head = self._generation_prompt
-        turn = self.assistant_turn(assistant)
+    # -- the fast paths -----------------------------------------------------------------------
+    def _prefix_from_parent(self, parent_text: str, turn: str | None) -> str | None:
+        """render(parent messages + assistant) from the parent's render and the assistant's `turn`
+        (turn-local templates)."""
+        head = self.generation_prompt
         if turn is None or not head or not parent_text.endswith(head):
             return None
         return parent_text[: len(parent_text) - len(head)] + turn
+
+    def _windowed_suffix(self, messages: Sequence[Message], tools: Sequence[dict] | None, prefix_len: int,
+                         prefix_text: str, turn: str) -> str | None:  # fmt: skip
+        """The new text of `messages` from a window render, or None to render in full.
+
+        The probes cannot cover every conversation, so the first window render and every
+        `verify_every`-th after it are compared with a full render; a difference turns the window
+        off for good (logged without content) and that request is rendered in full.
+        """
+        try:
+            new_text = self.render_after(messages[prefix_len - 1], messages[prefix_len:], turn)
+        except ApiError:
+            return None  # the full render decides whether the conversation is really refused
+        if new_text is None:
+            return None
+        self._windowed += 1
+        check = self.verify_every > 0 and (self._windowed - 1) % self.verify_every == 0
+        if check and self.render(messages, tools, add_generation_prompt=True) != prefix_text + new_text:
+            self.suffix_local = False
+            log.warning("the chat template renders new messages differently after a long history than in a short "
+                        "window: rendering whole conversations from now on (slower, still exact)")  # fmt: skip
+            return None
+        return new_text
+
+    def render_after(self, assistant: Message, new: Sequence[Message], turn: str | None = None) -> str | None:
+        """What the template writes after `assistant` for the messages `new` and the generation prompt,
+        rendered in a window where `template_probe.WINDOW` stands for the history (`turn`: the
+        assistant's, if known)."""
+        turn = turn if turn is not None else self.assistant_turn(assistant)
+        if turn is None:
+            return None
+        base = self._window_text + turn
+        text = self.render([*template_probe.WINDOW, assistant, *new], None, add_generation_prompt=True)
+        return text[len(base) :] if text.startswith(base) else None
 
     def assistant_turn(self, assistant: Message) -> str | None:
         """The text of one assistant turn (header to close) as the template renders it after a user turn."""
@@ -205,36 +249,14 @@ class ChatTokenizer:
         cached = self._turns.get(key)
         if cached is not None:
             return cached
-        before = self.render(_PROBE_USER, None, add_generation_prompt=False)
-        after = self.render([*_PROBE_USER, assistant], None, add_generation_prompt=False)
-        if not after.startswith(before):
+        after = self.render([*template_probe.WINDOW, assistant], None, add_generation_prompt=False)
+        if not after.startswith(self._window_text):
             return None
-        turn = after[len(before) :]
+        turn = after[len(self._window_text) :]
         self._turns[key] = turn
         if len(self._turns) > _CACHE_ENTRIES:
             self._turns.popitem(last=False)
         return turn
-
-    def _probe_turn_local(self) -> bool:
-        """Does an assistant turn render the same whatever comes before it (checked on varied contexts)?
-
-        Templates that rewrite earlier turns depending on later ones (e.g. dropping old reasoning)
-        fail this and always take the two-render path, which is exact for any template.
-        """
-        self._generation_prompt = ""
-        try:
-            head = self.render(_PROBE_USER, None, True)[len(self.render(_PROBE_USER, None, False)) :]
-            self._generation_prompt = head
-            for context, tools in _PROBE_CONTEXTS:
-                for reply in _PROBE_REPLIES:
-                    turn = self.assistant_turn(reply)
-                    gen = self.render(context, tools, add_generation_prompt=True)
-                    full = self.render([*context, reply], tools, add_generation_prompt=False)
-                    if turn is None or not gen.endswith(head) or full != gen[: len(gen) - len(head)] + turn:
-                        return False
-        except ApiError:
-            return False
-        return True
 
     def close_tail(self, output_ids: Sequence[int]) -> str:
         """The part of the turn close the model did not sample, given what it generated."""

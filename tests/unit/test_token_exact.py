@@ -65,13 +65,17 @@ def _model_output(tok: ChatTokenizer, history: list[dict], reply: dict, ended: b
 
 @pytest.mark.parametrize("template", ["qwen", "llama3"])
 @pytest.mark.parametrize("ended", [True, False], ids=["eos", "length"])
-@pytest.mark.parametrize("fast", [True, False], ids=["one-render", "two-renders"])
-def test_extended_prompts_equal_full_renders(template: str, ended: bool, fast: bool,
+@pytest.mark.parametrize("path", ["window", "one-render", "two-renders"])
+def test_extended_prompts_equal_full_renders(template: str, ended: bool, path: str,
                                              request: pytest.FixtureRequest) -> None:  # fmt: skip
     model_dir = request.getfixturevalue("tiny_model_dir" if template == "qwen" else "tiny_llama_dir")
     gen, store = _setup(model_dir)
     tok = gen.tokenizer
     assert tok.turn_local, "both test templates render an assistant turn independently of what precedes it"
+    assert tok.suffix_local, "... and the messages after it independently of what precedes it"
+    tok.verify_every = 0  # the window path alone, without the sampled full-render check that would mask a bug
+    tok.suffix_local = path == "window"
+    fast = path != "two-renders"
     session = store.start("admin", None, None)
     messages: list[dict] = []
     previous: Interaction | None = None
@@ -98,7 +102,7 @@ def test_extended_prompts_equal_full_renders(template: str, ended: bool, fast: b
                                output_logprobs=[-0.1] * len(output), output_versions=[0] * len(output),
                                messages=list(messages), response_message=reply,
                                parent_id=prep.parent.id if prep.parent else None)  # fmt: skip
-        # the rendered text is kept for the next turn's one-render fast path (used when the template is turn-local)
+        # the rendered text is kept for the next turn's fast paths (used when the template is turn-local)
         session.record(previous, prep.keys, message_key(reply), prep.tools_key, prep.prompt_text if fast else None)
     rows = session.tree.export("concat", 1.0, step=0)
     assert len(rows) == 1 and rows[0]["num_turns"] == len(TURNS)
@@ -192,3 +196,47 @@ def test_segment_cached_encode_equals_plain_encode(tiny_model_dir: Path, tiny_ll
         tok = ChatTokenizer(model_dir)
         for text in texts * 2:  # the second pass hits the cache
             assert tok.encode(text) == tok.hf.encode(text, add_special_tokens=False), text
+
+
+def test_a_window_render_unlike_the_full_render_is_caught(tiny_model_dir: Path, tmp_path: Path,
+                                                          caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """A template whose last message depends on the conversation's length passes the start-up probes
+    (short conversations) but renders the new text of a long one differently in a window: the
+    sampled check against a full render catches it, turns the window off and the prompt stays exact."""
+    original = ChatTokenizer(tiny_model_dir).template_text
+    user = "render_content(message.content) + '<|im_end|>'"
+    assert original.count(user) == 1
+    path = tmp_path / "long.jinja"
+    marker = "(' (long)' if loop.last and messages | length > 9 else '')"
+    marked = f"render_content(message.content) + {marker} + '<|im_end|>'"
+    path.write_text(original.replace(user, marked))
+    history = [{"role": "user", "content": "q0"}]
+    for i in range(4):
+        history += [{"role": "assistant", "content": f"a{i}"}, {"role": "user", "content": f"q{i + 1}"}]
+    reply = {"role": "assistant", "content": "yo"}
+    longer = [*history, reply, {"role": "user", "content": "more"}]
+
+    def extended(verify_every: int) -> tuple[ChatTokenizer, list[int], bool]:
+        tok = ChatTokenizer(tiny_model_dir, chat_template=path)
+        assert tok.turn_local and tok.suffix_local, "the probes' short conversations never show the marker"
+        tok.verify_every = verify_every
+        model = ModelConfig(path=str(tiny_model_dir), chat_template=str(path))
+        gen, store = Generator(tok, EngineClient([]), model, ProxyConfig()), SessionStore(ProxyConfig(), "admin")
+        session = store.start("admin", None, None)
+        prep = gen.prepare(session, CallSpec(messages=history))
+        out = tok.encode("yo<|im_end|>")
+        parent = Interaction(id="p", session_id=session.id, prompt_ids=prep.prompt_ids, output_ids=out,
+                             output_logprobs=[0.0] * len(out), output_versions=[0] * len(out), messages=history,
+                             response_message=reply)  # fmt: skip
+        session.record(parent, prep.keys, message_key(reply), prep.tools_key, prep.prompt_text)
+        nxt = gen.prepare(session, CallSpec(messages=longer))
+        assert nxt.parent is not None and nxt.parent.id == "p"
+        return tok, nxt.prompt_ids, nxt.prefix_break
+
+    full = ChatTokenizer(tiny_model_dir, chat_template=path).prompt_ids(longer, None)
+    _, ids, _ = extended(verify_every=0)
+    assert ids != full, "without the check the window's text (no marker) would have been used"
+    with caplog.at_level("WARNING", logger="arl.proxy.tokenize"):
+        checked, ids, broke = extended(verify_every=64)  # the first window render is always checked
+    assert ids == full and not broke
+    assert checked.suffix_local is False and "rendering whole conversations" in caplog.text
