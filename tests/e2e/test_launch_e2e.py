@@ -233,6 +233,12 @@ def sacct_state(job_id: str) -> str:
     return (out.stdout.split() or ["?"])[0]
 
 
+def ended(job_id: str, state: str) -> bool:
+    """sacct has the final state and squeue no longer lists the job (it stays COMPLETING there a moment)."""
+    queued = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout
+    return sacct_state(job_id) == state and not queued.strip()
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
 @slurm
@@ -260,7 +266,7 @@ def test_slurm_jobs_run_report_status_stop_by_id_and_resume(workdir: Path) -> No
     assert stop.returncode == 0, stop.stdout
     new_train = jobs(workdir)["train"][1]["job_id"]
     for job in (ids["inference"], ids["rollout"], new_train):
-        wait_until(lambda job=job: sacct_state(job) == "CANCELLED", f"job {job} to be cancelled by arl stop")
+        wait_until(lambda job=job: ended(job, "CANCELLED"), f"job {job} to be cancelled by arl stop")
     after = arl(workdir, "status", str(run_dir(workdir)))
     assert after.returncode == 0 and after.stdout.count("STOPPED") == 3, after.stdout
 
@@ -271,7 +277,7 @@ def test_a_failed_slurm_stage_is_reported_with_its_log(workdir: Path) -> None:
     result = arl(workdir, "launch", "config.yaml", "--executor", "slurm", env={"FAKE_FAIL": "train"})
     assert result.returncode == 0, result.stdout + result.stderr
     train = jobs(workdir)["train"][0]["job_id"]
-    wait_until(lambda: sacct_state(train) == "FAILED", f"job {train} to fail")
+    wait_until(lambda: ended(train, "FAILED"), f"job {train} to fail and leave the queue")
     status = arl(workdir, "status", str(run_dir(workdir)))
     assert status.returncode == 1
     flat = " ".join(status.stdout.split())
