@@ -71,6 +71,8 @@ class SessionLedger:
         self.started_total = 0
         self.recording = 0
         """Sessions being exported and spooled right now (still occupying capacity)."""
+        self.saving: dict[str, asyncio.Future[BaseException | None]] = {}
+        """Per session being saved: its outcome, so a repeated end call answers only once it is on disk."""
         self.recorder: Recorder | None = None
         self.ready = asyncio.Event()
         """Set once `recorder` exists: an end call arriving while the stage starts waits for it."""
@@ -93,22 +95,34 @@ class SessionLedger:
     async def finish(self, session_id: str | None, status: str) -> None:
         """Export and spool a finished session, then queue it. Raises if either fails (the caller's end
         call then answers 503) and remembers the error for `check` (the stage then stops)."""
+        if session_id is not None and session_id in self.saving:  # a second end call for the same session
+            outcome = await asyncio.shield(self.saving[session_id])
+            if outcome is not None:
+                raise outcome
+            return
         if session_id is None or session_id not in self.sessions:
             return
         del self.sessions[session_id]
         for key in [k for k, s in self.by_key.items() if s == session_id]:
             del self.by_key[key]
         self.recording += 1
+        saved: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+        self.saving[session_id] = saved
         try:
             await self.ready.wait()
             assert self.recorder is not None
             record = await self.recorder(session_id, status)
+            self.finished.put_nowait(record)
+            saved.set_result(None)
         except Exception as exc:
             self.error = self.error or exc
+            saved.set_result(exc)
             raise
         finally:
             self.recording -= 1
-        self.finished.put_nowait(record)
+            del self.saving[session_id]
+            if not saved.done():  # cancelled mid-save: a waiting twin must not answer 2xx
+                saved.set_result(ArlError(f"saving session {session_id} was cancelled"))
 
     def check(self) -> None:
         if self.error is not None:
