@@ -16,14 +16,21 @@ prompt-major):
                    "output_token_logprobs": [[-0.11, 17, null], [-2.3, 42, null], [-0.01, 2, null]],
                    "weight_version": "4"}}
 
+With `top_logprobs_num: k` (and `return_logprob`), `meta_info.output_top_logprobs` holds, per output
+token, the k most likely tokens as `[logprob, token_id, text or null]`, most likely first.
+
 `weight_version` is a string, as in SGLang; arl always puts the decimal version number there.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_TOP_LOGPROBS = 20
+"""Upper bound of `top_logprobs_num` (OpenAI's `top_logprobs` bound; the cost grows with it)."""
+TopLogprobsNum = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 
 # SGLang sampling fields we accept only at their neutral value: a request that sets them expects
 # an effect the hf engine does not implement, so it is refused with the field named.
@@ -111,22 +118,31 @@ class GenerateReqInput(_Strict):
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] = False
     logprob_start_len: int | list[int] = -1
-    top_logprobs_num: int | list[int] = 0
+    top_logprobs_num: TopLogprobsNum | list[TopLogprobsNum] = 0
+    """With `return_logprob`: the k (0..20) most likely tokens of each output position in
+    `meta_info.output_top_logprobs`, from the distribution the token logprobs come from."""
     return_text_in_logprobs: bool = False
     stream: bool = False
     session_id: str | None = None
     """Accepted for SGLang compatibility (routing identity); the hf engine does not use it."""
     log_metrics: bool = True
 
+    @field_validator("top_logprobs_num", mode="before")
+    @classmethod
+    def _top_bound(cls, value: Any) -> Any:
+        # Checked before the type so the message says the bound, not pydantic's union-branch errors.
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and not isinstance(v, bool) and not 0 <= v <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"top_logprobs_num must be between 0 and {MAX_TOP_LOGPROBS}, got {v}")
+        return value
+
     @model_validator(mode="after")
     def _one_input(self) -> GenerateReqInput:
         if (self.input_ids is None) == (self.text is None):
             raise ValueError("give exactly one of input_ids (token ids) or text")
-        for name in ("logprob_start_len", "top_logprobs_num"):
-            values = getattr(self, name)
-            default = -1 if name == "logprob_start_len" else 0
-            if any(v != default for v in (values if isinstance(values, list) else [values])):
-                raise ValueError(f"{name} is not supported by the hf engine (output-token logprobs only)")
+        starts = self.logprob_start_len
+        if any(v != -1 for v in (starts if isinstance(starts, list) else [starts])):
+            raise ValueError("logprob_start_len is not supported by the hf engine (output-token logprobs only)")
         return self
 
     def is_batch(self) -> bool:

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from pipeline.engine.kvbatch import KVBatch, cache_tensors, dynamic_cache, left_pad
-from pipeline.engine.sampling import RowSampling, sample_next
+from pipeline.engine.protocol import TopEntry
+from pipeline.engine.sampling import RowSampling, sample_batch
 
 log = logging.getLogger("arl.engine.batcher")
 
@@ -44,6 +45,8 @@ class Progress:
     new_logprobs: list[float]
     weight_version: int
     finish: dict[str, Any] | None = None
+    new_top: list[TopEntry] = field(default_factory=list)
+    """Top logprobs of the new tokens (empty unless the request set `top_logprobs_num`)."""
 
 
 @dataclass
@@ -63,6 +66,7 @@ class _Seq:
     req: GenRequest
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top: list[TopEntry] = field(default_factory=list)
     emitted: int = 0
     finish: dict[str, Any] | None = None
 
@@ -283,15 +287,17 @@ class Scheduler:
         self._drop_finished()
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
-        tokens, logprobs = sample_next(
+        out = sample_batch(
             logits,
             [s.req.sampling for s in seqs],
             generator=self.generator,
             return_original_logprob=self.return_original_logprob,
         )
-        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+        for seq, token, logprob, top in zip(seqs, out.tokens, out.logprobs, out.top, strict=True):
             seq.output.append(token)
             seq.logprobs.append(logprob)
+            if top is not None:
+                seq.top.append(top)
             finish = self._check_finish(seq, token)
             if finish is not None:
                 self._finish(seq, finish)
@@ -344,7 +350,7 @@ class Scheduler:
     # -- delivery ---------------------------------------------------------------------------
     def _progress(self, seq: _Seq) -> Progress:
         start, seq.emitted = seq.emitted, len(seq.output)
-        return Progress(seq.output[start:], seq.logprobs[start:], self.weight_version, seq.finish)
+        return Progress(seq.output[start:], seq.logprobs[start:], self.weight_version, seq.finish, seq.top[start:])
 
     def _finish(self, seq: _Seq, finish: dict[str, Any]) -> None:
         if seq.finish is not None:

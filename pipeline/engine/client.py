@@ -40,6 +40,7 @@ from pipeline.engine.wire import (
     Retryable,
     StreamState,
     check_single,
+    check_top,
     chunk_from,
     parse_finish_reason,
     parse_weight_version,
@@ -138,11 +139,20 @@ class EngineClient(AdminCalls):
 
     # -- generation -------------------------------------------------------------------------
     async def generate(
-        self, input_ids: list[int], sampling_params: dict[str, Any], *, sticky_key: str | None = None
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        *,
+        sticky_key: str | None = None,
+        top_logprobs_num: int = 0,
     ) -> GenerateResult:
-        """Generate one completion; fails over to another server on connection errors."""
+        """Generate one completion; fails over to another server on connection errors.
+
+        `top_logprobs_num` > 0 is sent as SGLang's field of that name; the result then carries
+        `output_top_logprobs` (one entry per output token, checked).
+        """
         check_single(sampling_params)
-        body = self._body(input_ids, sampling_params, stream=False)
+        body = self._body(input_ids, sampling_params, stream=False, top_logprobs_num=top_logprobs_num)
         tried: list[str] = []
         while True:
             server = self._pick(sticky_key, exclude=tried)
@@ -159,23 +169,28 @@ class EngineClient(AdminCalls):
                     ) from exc
                 log.warning("server %s failed (%s); retrying on another server", server.url, exc)
                 continue
-            return result_from(data, server.url)
+            return result_from(data, server.url, top_logprobs_num)
 
     async def generate_stream(
-        self, input_ids: list[int], sampling_params: dict[str, Any], *, sticky_key: str | None = None
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        *,
+        sticky_key: str | None = None,
+        top_logprobs_num: int = 0,
     ) -> AsyncIterator[GenerateChunk]:
-        """Yield increments as the server produces them.
+        """Yield increments as the server produces them (`top_logprobs_num` as in `generate`).
 
         Fails over only before the first chunk arrived: after that, tokens have reached the caller
         and a restart elsewhere would produce a different continuation.
         """
         check_single(sampling_params)
-        body = self._body(input_ids, sampling_params, stream=True)
+        body = self._body(input_ids, sampling_params, stream=True, top_logprobs_num=top_logprobs_num)
         tried: list[str] = []
         while True:
             server = self._pick(sticky_key, exclude=tried)
             tried.append(server.url)
-            state = StreamState()
+            state = StreamState(top_logprobs_num=top_logprobs_num)
             inner = self._stream_from(server, body, state)
             try:
                 async for chunk in inner:
@@ -210,6 +225,7 @@ class EngineClient(AdminCalls):
                     chunk = chunk_from(payload, state)
                     if chunk is not None:
                         yield chunk
+            check_top(state.ids, state.top, state.top_logprobs_num, server.url)
         except _STREAM_ERRORS as exc:
             raise Retryable(f"{type(exc).__name__}: {exc}") from exc
         except TimeoutError:
@@ -228,14 +244,19 @@ class EngineClient(AdminCalls):
             server=server.url,
         )
 
-    def _body(self, input_ids: list[int], sampling_params: dict[str, Any], *, stream: bool) -> dict[str, Any]:
-        return {
+    def _body(
+        self, input_ids: list[int], sampling_params: dict[str, Any], *, stream: bool, top_logprobs_num: int
+    ) -> dict[str, Any]:
+        body = {
             "input_ids": list(input_ids),
             "sampling_params": dict(sampling_params),
             "return_logprob": True,
             "stream": stream,
             "rid": uuid.uuid4().hex,
         }
+        if top_logprobs_num:  # only when asked: the server then computes (and sends) the top-k
+            body["top_logprobs_num"] = top_logprobs_num
+        return body
 
     async def _tracked(self, server: _Server, rid: str, work: Awaitable[dict[str, Any]]) -> dict[str, Any]:
         """Count the request as in flight; abort it on the server if we are cancelled or time out."""

@@ -28,7 +28,7 @@ from fastapi import Request
 
 from pipeline.engine.hf_admin import register_admin_routes
 from pipeline.engine.http_errors import BadRequest, error_response, parse_body
-from pipeline.engine.protocol import Limits, RequestError, WorkItem, expand, response, stop_token_ids
+from pipeline.engine.protocol import Limits, RequestError, TopEntry, WorkItem, expand, response, stop_token_ids
 from schemas.engine_api import GenerateReqInput
 
 log = logging.getLogger("arl.engine.hf_server")
@@ -155,9 +155,11 @@ class HFServer:
         """Submit one work item and wait for its final response."""
         ids: list[int] = []
         logprobs: list[float] = []
+        top: list[TopEntry] = []
         async for event in self._events(item):
             ids += event.new_ids
             logprobs += event.new_logprobs
+            top += event.new_top
             if event.finish is not None:
                 return response(
                     item,
@@ -166,6 +168,7 @@ class HFServer:
                     event.finish,
                     event.weight_version,
                     self.tokenizer,
+                    top_logprobs=top,
                     text_in_logprobs=text_in_logprobs,
                 )
         raise RuntimeError("engine event stream ended without a finish event")
@@ -178,7 +181,8 @@ class HFServer:
         params = item.params
         queue: asyncio.Queue[Progress] = asyncio.Queue()
         generator = _seeded(params, self.device)
-        sampling = RowSampling(params.temperature, params.top_p, params.top_k, params.min_p, generator)
+        top_k = item.top_logprobs_num if item.return_logprob else 0  # zero: no top-k work for this row
+        sampling = RowSampling(params.temperature, params.top_p, params.top_k, params.min_p, generator, top_k)
         request = GenRequest(
             rid=item.rid,
             input_ids=item.input_ids,
@@ -223,11 +227,13 @@ class HFServer:
         """SSE chunks like SGLang's: cumulative `output_ids`/`text`/logprobs (deltas if incremental)."""
         ids: list[int] = []
         logprobs: list[float] = []
+        top: list[TopEntry] = []
         incremental = self.config.incremental_streaming_output
         async for event in self._events(item):
             start = len(ids)
             ids += event.new_ids
             logprobs += event.new_logprobs
+            top += event.new_top
             if not event.new_ids and event.finish is None:
                 continue
             chunk = response(
@@ -237,13 +243,16 @@ class HFServer:
                 event.finish,
                 event.weight_version,
                 self.tokenizer,
+                top_logprobs=top,
                 text_in_logprobs=text_in_logprobs,
             )
             if incremental:
                 chunk["output_ids"] = ids[start:]
                 chunk["text"] = self.tokenizer.decode(ids[start:], skip_special_tokens=item.params.skip_special_tokens)
-                if "output_token_logprobs" in chunk["meta_info"]:
-                    chunk["meta_info"]["output_token_logprobs"] = chunk["meta_info"]["output_token_logprobs"][start:]
+                meta = chunk["meta_info"]
+                for key in ("output_token_logprobs", "output_top_logprobs"):
+                    if key in meta:
+                        meta[key] = meta[key][start:]
             yield f"data: {json.dumps(chunk)}\n\n"
         yield "data: [DONE]\n\n"
 

@@ -29,6 +29,12 @@ class WorkItem:
     params: SamplingParams
     max_new_tokens: int
     return_logprob: bool
+    top_logprobs_num: int = 0
+    """k most likely tokens per output position (`meta_info.output_top_logprobs`); 0 = none, no cost."""
+
+
+TopEntry = list[tuple[float, int]]
+"""The top logprobs of one output position: (logprob, token id), most likely first."""
 
 
 @dataclass
@@ -43,16 +49,20 @@ def expand(req: GenerateReqInput, limits: Limits, tokenizer: Any) -> list[WorkIt
     count = len(prompts)
     params = [_sampling(raw, i) for i, raw in enumerate(_per_prompt(req.sampling_params, count, "sampling_params", {}))]
     logprob_flags = _per_prompt(req.return_logprob, count, "return_logprob", False)
+    tops = _per_prompt(req.top_logprobs_num, count, "top_logprobs_num", 0)
     rids = _rids(req.rid, count)
-    items = []
-    for index, (prompt, sp, want_lp, rid) in enumerate(zip(prompts, params, logprob_flags, rids, strict=True)):
+    items: list[WorkItem] = []
+    for index, (prompt, sp, want_lp, top, rid) in enumerate(
+        zip(prompts, params, logprob_flags, tops, rids, strict=True)
+    ):
         _check_prompt(prompt, index, limits)
+        if top and not want_lp:
+            where = f" for prompt {index}" if count > 1 else ""
+            raise RequestError(f"top_logprobs_num={top}{where} needs return_logprob=true (top logprobs come with it)")
         # Like SGLang: the completion is clipped to what fits in the context, not refused.
         max_new = min(sp.max_new_tokens, limits.max_context - len(prompt))
-        if sp.n == 1:
-            items.append(WorkItem(rid, prompt, sp, max_new, bool(want_lp)))
-        else:
-            items.extend(WorkItem(f"{rid}_{j}", prompt, sp, max_new, bool(want_lp)) for j in range(sp.n))
+        rids_of = [rid] if sp.n == 1 else [f"{rid}_{j}" for j in range(sp.n)]
+        items.extend(WorkItem(r, prompt, sp, max_new, bool(want_lp), int(top)) for r in rids_of)
     if req.stream and len(items) != 1:
         raise RequestError(f"stream=true needs one prompt with n=1; this request expands to {len(items)} completions")
     return items
@@ -138,6 +148,7 @@ def response(
     weight_version: int,
     tokenizer: Any,
     *,
+    top_logprobs: list[TopEntry] | None = None,
     text_in_logprobs: bool = False,
     include_text: bool = True,
 ) -> dict[str, Any]:
@@ -155,6 +166,8 @@ def response(
             [lp, tok, tokenizer.decode([tok]) if text_in_logprobs else None]
             for lp, tok in zip(logprobs, output_ids, strict=True)
         ]
+        if item.top_logprobs_num > 0:
+            meta["output_top_logprobs"] = top_entries(top_logprobs or [], tokenizer, text_in_logprobs)
     text = None
     if include_text:
         raw = tokenizer.decode(
@@ -164,3 +177,8 @@ def response(
         )
         text = finish_text(raw, finish, item.params)
     return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
+
+
+def top_entries(top: list[TopEntry], tokenizer: Any, text_in_logprobs: bool) -> list[list[list[Any]]]:
+    """SGLang's `output_top_logprobs`: per position, `[logprob, token_id, text or null]`, most likely first."""
+    return [[[lp, tok, tokenizer.decode([tok]) if text_in_logprobs else None] for lp, tok in entry] for entry in top]

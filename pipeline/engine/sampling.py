@@ -10,6 +10,10 @@ What the returned log-probability means (matches SGLang's `Sampler`, checked aga
 * sampled rows with `return_original_logprob` (SGLang's env `SGLANG_RETURN_ORIGINAL_LOGPROB=1`):
   `log_softmax(logits)[token]`, unscaled, whatever the temperature.
 
+Top logprobs (`top_logprobs_num` k > 0 on a row) are the k largest entries of that same
+distribution (the one the row's token logprob is read from), most likely first; rows that ask for
+none cost nothing extra, and a batch where no row asks skips the top-k entirely.
+
 top-p keeps a token when the probability mass *before* it (in descending order) is <= top_p,
 top-k keeps the k most likely, min-p keeps tokens with p >= min_p * p_max; the kept mass is
 sampled proportionally (SGLang's torch fallback does the same).
@@ -17,9 +21,11 @@ sampled proportionally (SGLang's torch fallback does the same).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from pipeline.engine.protocol import TopEntry
 
 GREEDY_EPS = 1e-6
 
@@ -33,10 +39,21 @@ class RowSampling:
     top_k: int = -1
     min_p: float = 0.0
     generator: torch.Generator | None = None
+    top_logprobs_num: int = 0
+    """How many of the most likely tokens (with logprobs) to report for this row; 0 = none."""
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+
+@dataclass
+class Sampled:
+    """One sampling step: per row, the token, its logprob and (rows that asked) the top logprobs."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[TopEntry | None] = field(default_factory=list)
 
 
 def sample_next(
@@ -47,12 +64,25 @@ def sample_next(
     return_original_logprob: bool = False,
 ) -> tuple[list[int], list[float]]:
     """Pick one token per row of `logits` [B, V]; return the tokens and their log-probabilities."""
+    out = sample_batch(logits, rows, generator=generator, return_original_logprob=return_original_logprob)
+    return out.tokens, out.logprobs
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    rows: list[RowSampling],
+    *,
+    generator: torch.Generator | None = None,
+    return_original_logprob: bool = False,
+) -> Sampled:
+    """`sample_next`, plus the top logprobs of the rows with `top_logprobs_num` > 0."""
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} rows of logits but {len(rows)} sampling rows")
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     tokens = torch.argmax(logits, dim=-1)
     chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+    source = raw_logprobs  # per row, the distribution its returned logprobs are read from
     sampled = [i for i, row in enumerate(rows) if not row.greedy]
     if sampled:
         index = torch.tensor(sampled, device=logits.device)
@@ -60,10 +90,26 @@ def sample_next(
         temps = torch.tensor([r.temperature for r in sub_rows], device=logits.device, dtype=logits.dtype)
         scaled_logprobs = torch.log_softmax(logits[index] / temps[:, None], dim=-1)
         sub_tokens = _draw(scaled_logprobs.exp(), sub_rows, generator)
-        source = raw_logprobs[index] if return_original_logprob else scaled_logprobs
+        sub_source = raw_logprobs[index] if return_original_logprob else scaled_logprobs
         tokens[index] = sub_tokens
-        chosen[index] = source.gather(1, sub_tokens[:, None])[:, 0]
-    return tokens.tolist(), chosen.tolist()
+        chosen[index] = sub_source.gather(1, sub_tokens[:, None])[:, 0]
+        if not return_original_logprob and any(r.top_logprobs_num > 0 for r in sub_rows):
+            source = raw_logprobs.index_copy(0, index, scaled_logprobs)
+    return Sampled(tokens.tolist(), chosen.tolist(), _top(source, rows))
+
+
+def _top(source: torch.Tensor, rows: list[RowSampling]) -> list[TopEntry | None]:
+    """The `top_logprobs_num` largest logprobs of each row that asks (one topk call for all of them)."""
+    want = [i for i, r in enumerate(rows) if r.top_logprobs_num > 0]
+    top: list[TopEntry | None] = [None] * len(rows)
+    if not want:
+        return top
+    k = min(max(rows[i].top_logprobs_num for i in want), source.shape[-1])
+    values, ids = source[torch.tensor(want, device=source.device)].topk(k, dim=-1)  # sorted, largest first
+    for row, vals, toks in zip(want, values.tolist(), ids.tolist(), strict=True):
+        n = min(rows[row].top_logprobs_num, k)
+        top[row] = list(zip(vals[:n], toks[:n], strict=True))
+    return top
 
 
 def _draw(probs: torch.Tensor, rows: list[RowSampling], generator: torch.Generator | None) -> torch.Tensor:

@@ -29,8 +29,8 @@ from typing import Any
 import httpx
 
 from pipeline.engine.http_errors import BadRequest
-from pipeline.engine.protocol import Limits, WorkItem, finish_text, stop_token_ids
-from pipeline.engine.vllm_wire import choice_tokens, completion_body, finish_reason
+from pipeline.engine.protocol import Limits, TopEntry, WorkItem, finish_text, stop_token_ids, top_entries
+from pipeline.engine.vllm_wire import choice_tokens, choice_top, completion_body, finish_reason
 
 log = logging.getLogger("arl.engine.vllm_adapter")
 
@@ -88,9 +88,8 @@ class VLLMAdapter:
         data = _upstream_json(resp)
         choice = data["choices"][0]
         ids, logprobs = choice_tokens(choice)
-        return self._response(
-            item, ids, logprobs, finish_reason(choice, ids, stop_token_ids(item.params, self.eos_ids))
-        )
+        finish = finish_reason(choice, ids, stop_token_ids(item.params, self.eos_ids))
+        return self._response(item, ids, logprobs, finish, choice_top(choice, item.top_logprobs_num))
 
     async def stream(self, item: WorkItem) -> Any:
         """SGLang SSE (cumulative chunks) from vLLM's streamed completion."""
@@ -98,6 +97,7 @@ class VLLMAdapter:
         body = completion_body(item, self.config.served_model_name, stream=True)
         ids: list[int] = []
         logprobs: list[float] = []
+        top: list[TopEntry] = []
         stops = stop_token_ids(item.params, self.eos_ids)
         self.inflight[item.rid] = asyncio.ensure_future(asyncio.sleep(0))  # abortable marker (see abort)
         try:
@@ -107,7 +107,7 @@ class VLLMAdapter:
                     _upstream_json(resp)
                 async for line in resp.aiter_lines():
                     if item.rid in self.aborted:
-                        yield _sse(self._response(item, ids, logprobs, {"type": "abort", "message": "aborted"}))
+                        yield _sse(self._response(item, ids, logprobs, {"type": "abort", "message": "aborted"}, top))
                         break
                     payload = line.removeprefix("data:").strip()
                     if not line.startswith("data:") or payload == "[DONE]":
@@ -118,16 +118,22 @@ class VLLMAdapter:
                     new_ids, new_lps = choice_tokens(choices[0])
                     ids += new_ids
                     logprobs += new_lps
+                    top += choice_top(choices[0], item.top_logprobs_num)
                     finish = finish_reason(choices[0], ids, stops)
                     if new_ids or finish is not None:
-                        yield _sse(self._response(item, ids, logprobs, finish))
+                        yield _sse(self._response(item, ids, logprobs, finish, top))
         finally:
             self.inflight.pop(item.rid, None)
             self.aborted.discard(item.rid)
         yield "data: [DONE]\n\n"
 
     def _response(
-        self, item: WorkItem, ids: list[int], lps: list[float], finish: dict[str, Any] | None
+        self,
+        item: WorkItem,
+        ids: list[int],
+        lps: list[float],
+        finish: dict[str, Any] | None,
+        top: list[TopEntry] | None = None,
     ) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": item.rid,
@@ -139,6 +145,8 @@ class VLLMAdapter:
         }
         if item.return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(lps, ids, strict=True)]
+            if item.top_logprobs_num > 0:
+                meta["output_top_logprobs"] = top_entries(top or [], self.tokenizer, False)
         raw = self.tokenizer.decode(ids, skip_special_tokens=item.params.skip_special_tokens)
         return {"text": finish_text(raw, finish, item.params), "output_ids": ids, "meta_info": meta}
 

@@ -2,7 +2,9 @@
 
 Token-in/token-out: the prompt goes as a list of token ids (`prompt: [ids]`), and the server runs
 with `--return-tokens-as-token-ids`, so every returned token is `token_id:<n>` and the ids are
-exact (no re-tokenisation of text). `logprobs: 0` asks for the sampled token's logprob only.
+exact (no re-tokenisation of text). `logprobs: 0` asks for the sampled token's logprob only;
+`logprobs: k` (SGLang's `top_logprobs_num`) adds vLLM's per-position `top_logprobs` dicts, which hold
+the sampled token as well as the k most likely, so they are sorted and cut back to k.
 Pure functions: unit-tested without a server.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.engine.protocol import WorkItem
+from pipeline.engine.protocol import TopEntry, WorkItem
 
 _TOKEN_PREFIX = "token_id:"
 
@@ -30,7 +32,7 @@ def completion_body(item: WorkItem, served_name: str, *, stream: bool) -> dict[s
         "skip_special_tokens": params.skip_special_tokens,
         "spaces_between_special_tokens": params.spaces_between_special_tokens,
         "include_stop_str_in_output": params.no_stop_trim,
-        "logprobs": 0,
+        "logprobs": item.top_logprobs_num,
         "return_tokens_as_token_ids": True,
         "n": 1,
         "stream": stream,
@@ -53,6 +55,16 @@ def choice_tokens(choice: dict[str, Any]) -> tuple[list[int], list[float]]:
     values = logprobs.get("token_logprobs") or []
     ids = [parse_token(t) for t in tokens]
     return ids, [float(v) if v is not None else float("nan") for v in values]
+
+
+def choice_top(choice: dict[str, Any], k: int) -> list[TopEntry]:
+    """The k most likely (logprob, token id) of each position of a choice, most likely first."""
+    positions = (choice.get("logprobs") or {}).get("top_logprobs") or []
+    out = []
+    for position in positions:
+        pairs = [(float(lp), parse_token(tok)) for tok, lp in (position or {}).items()]
+        out.append(sorted(pairs, key=lambda pair: -pair[0])[:k])
+    return out
 
 
 def parse_token(token: str) -> int:

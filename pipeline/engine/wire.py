@@ -13,6 +13,8 @@ from typing import Any
 
 import aiohttp
 
+from pipeline.engine.protocol import TopEntry
+
 
 @dataclass
 class GenerateResult:
@@ -26,6 +28,9 @@ class GenerateResult:
     prompt_tokens: int
     completion_tokens: int
     server: str
+    output_top_logprobs: list[TopEntry] | None = None
+    """Per output token, the (logprob, token id) of the most likely tokens, most likely first;
+    None unless the call asked for `top_logprobs_num` > 0."""
 
 
 @dataclass
@@ -37,6 +42,8 @@ class GenerateChunk:
     finish_reason: str | None
     matched: int | str | None
     weight_version: int | None
+    new_top_logprobs: list[TopEntry] | None = None
+    """Top logprobs of `new_ids` (as in `GenerateResult.output_top_logprobs`); None unless asked for."""
 
 
 class EngineError(Exception):
@@ -58,6 +65,9 @@ class StreamState:
 
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top: list[TopEntry] = field(default_factory=list)
+    top_logprobs_num: int = 0
+    """What the request asked for: the stream must then carry one top entry per token."""
 
 
 def parse_weight_version(value: Any) -> int:
@@ -91,6 +101,24 @@ def parse_finish_reason(meta: dict[str, Any]) -> tuple[str | None, int | str | N
 def _logprob_values(meta: dict[str, Any]) -> list[float]:
     entries = meta.get("output_token_logprobs") or []
     return [float(entry[0]) if entry[0] is not None else float("nan") for entry in entries]
+
+
+def _top_values(meta: dict[str, Any]) -> list[TopEntry]:
+    """SGLang's `output_top_logprobs` (per position `[[logprob, id, text], ...]` or null) as (logprob, id) pairs."""
+    return [
+        [(float(e[0]) if e[0] is not None else float("nan"), int(e[1])) for e in position or []]
+        for position in meta.get("output_top_logprobs") or []
+    ]
+
+
+def check_top(ids: list[int], top: list[TopEntry], top_logprobs_num: int, url: str) -> None:
+    """A server asked for top logprobs must give one entry per output token (else it ignored the field)."""
+    if top_logprobs_num > 0 and len(top) != len(ids):
+        raise EngineError(
+            f"{url} returned {len(ids)} output ids but {len(top)} output_top_logprobs entries for "
+            f"top_logprobs_num={top_logprobs_num} (does the server support top_logprobs_num?)",
+            server=url,
+        )
 
 
 class Retryable(Exception):
@@ -144,13 +172,15 @@ async def sse_payloads(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, 
         yield payload
 
 
-def result_from(data: dict[str, Any], url: str) -> GenerateResult:
+def result_from(data: dict[str, Any], url: str, top_logprobs_num: int = 0) -> GenerateResult:
     meta = data.get("meta_info") or {}
     ids = [int(t) for t in data.get("output_ids") or []]
     logprobs = _logprob_values(meta)
     reason, matched = parse_finish_reason(meta)
     if len(logprobs) != len(ids):
         raise EngineError(f"{url} returned {len(ids)} output ids but {len(logprobs)} logprobs", server=url)
+    top = _top_values(meta) if top_logprobs_num > 0 else None
+    check_top(ids, top or [], top_logprobs_num, url)
     return GenerateResult(
         output_ids=ids,
         output_logprobs=logprobs,
@@ -160,6 +190,7 @@ def result_from(data: dict[str, Any], url: str) -> GenerateResult:
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         completion_tokens=int(meta.get("completion_tokens", len(ids))),
         server=url,
+        output_top_logprobs=top,
     )
 
 
@@ -179,6 +210,11 @@ def chunk_from(payload: dict[str, Any], state: StreamState) -> GenerateChunk | N
     else:
         new_ids = ids
     new_lps = logprobs[len(state.logprobs) :] if len(logprobs) == total else logprobs
+    new_top = None
+    if state.top_logprobs_num > 0:
+        tops = _top_values(meta)
+        new_top = tops[len(state.top) :] if len(tops) == total else tops
+        state.top.extend(new_top)
     state.ids.extend(new_ids)
     state.logprobs.extend(new_lps)
     reason, matched = parse_finish_reason(meta)
@@ -191,4 +227,5 @@ def chunk_from(payload: dict[str, Any], state: StreamState) -> GenerateChunk | N
         finish_reason=reason,
         matched=matched,
         weight_version=parse_weight_version(version) if version is not None else None,
+        new_top_logprobs=new_top,
     )

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.engine.client import EngineClient, EngineError, GenerateResult
+from pipeline.engine.protocol import TopEntry
 from pipeline.proxy.errors import ApiError, bad_request
 from pipeline.proxy.messages import Message, MessageKey, message_key, tool_call, tools_key
 from pipeline.proxy.parsers import TOOL_PARSERS, Event, OutputParser, Parsed, collect, parse_text
@@ -48,6 +49,8 @@ class CallSpec:
     seed: int | None = None
     n: int = 1
     api: str = "chat"
+    top_logprobs: int = 0
+    """Most likely alternatives to report per sampled token (the engine's `top_logprobs_num`); 0 = none."""
 
 
 @dataclass
@@ -77,6 +80,9 @@ class Completion:
     stop_string: str | None
     prompt_tokens: int
     completion_tokens: int
+    top_logprobs: list[TopEntry] | None = None
+    """Per output token, the (logprob, token id) alternatives the engine reported; only for the response
+    (the recorded interaction keeps the sampled tokens' logprobs alone)."""
 
     @property
     def id(self) -> str:
@@ -178,7 +184,7 @@ class Generator:
         session.inflight += 1
         try:
             results = await asyncio.gather(*(
-                self._generate(prep.prompt_ids, self.sampling_params(spec, prep, i), session.id)
+                self._generate(prep.prompt_ids, self.sampling_params(spec, prep, i), session.id, spec.top_logprobs)
                 for i in range(len(ids))
             ))  # fmt: skip
         finally:
@@ -189,13 +195,16 @@ class Generator:
             text, stop_string = self._output_text(result.output_ids, spec.stop)
             parsed = parse_text(prep.prefill + text, prep.tool_parser, self.reasoning_parser)
             versions = [result.weight_version] * len(result.output_ids)
-            completions.append(self._record(session, spec, prep, i, iid, result.output_ids, result.output_logprobs,
-                                            versions, result.finish_reason, parsed, stop_string))  # fmt: skip
+            done = self._record(session, spec, prep, i, iid, result.output_ids, result.output_logprobs, versions,
+                                result.finish_reason, parsed, stop_string)  # fmt: skip
+            done.top_logprobs = result.output_top_logprobs
+            completions.append(done)
         return completions
 
-    async def _generate(self, prompt_ids: list[int], params: dict[str, Any], sticky: str) -> GenerateResult:
+    async def _generate(self, prompt_ids: list[int], params: dict[str, Any], sticky: str,
+                        top: int) -> GenerateResult:  # fmt: skip
         try:
-            return await self.engine.generate(prompt_ids, params, sticky_key=sticky)
+            return await self.engine.generate(prompt_ids, params, sticky_key=sticky, top_logprobs_num=top)
         except EngineError as exc:
             raise _engine_api_error(exc) from None
 
@@ -259,14 +268,17 @@ class Generator:
             yield StreamItem(index, event)
         ids: list[int] = []
         logprobs: list[float] = []
+        top: list[TopEntry] = []
         versions: list[int] = []
         reason, version = "stop", None
         try:
             async for chunk in self.engine.generate_stream(prep.prompt_ids, self.sampling_params(spec, prep, index),
-                                                           sticky_key=session.id):  # fmt: skip
+                                                           sticky_key=session.id,
+                                                           top_logprobs_num=spec.top_logprobs):  # fmt: skip
                 version = chunk.weight_version if chunk.weight_version is not None else version
                 ids.extend(chunk.new_ids)
                 logprobs.extend(chunk.new_logprobs)
+                top.extend(chunk.new_top_logprobs or [])
                 versions.extend([self._version(version)] * len(chunk.new_ids))
                 for event in parser.feed(stopper.push(detok.push(chunk.new_ids))):
                     events.append(event)
@@ -281,6 +293,7 @@ class Generator:
             yield StreamItem(index, event)
         done = self._record(session, spec, prep, index, iid, ids, logprobs, versions, reason, collect(events),
                             stopper.stopped)  # fmt: skip
+        done.top_logprobs = top if spec.top_logprobs > 0 else None
         yield StreamItem(index, done=done)
 
     def _version(self, version: int | None) -> int:
@@ -337,14 +350,22 @@ def _engine_api_error(exc: EngineError) -> ApiError:
     return ApiError(502, f"the inference server failed: {exc}")
 
 
-def token_logprobs(tokenizer: ChatTokenizer, completion: Completion) -> list[tuple[str, float, list[int]]]:
-    """(token text, logprob, utf-8 bytes) per sampled token, the trailing end-of-turn token left out."""
+def token_logprobs(tokenizer: ChatTokenizer, completion: Completion) -> list[dict[str, Any]]:
+    """OpenAI's logprob entries (`token`, `logprob`, `bytes`, `top_logprobs`) per sampled token, the
+    trailing end-of-turn token left out; `top_logprobs` lists the engine's alternatives, most likely
+    first (empty when the call asked for none)."""
     ids = completion.interaction.output_ids
     lps = completion.interaction.output_logprobs
+    tops = completion.top_logprobs or [[] for _ in ids]
     if ids and ids[-1] in tokenizer.stop_token_ids:
         ids, lps = ids[:-1], lps[:-1]
-    out = []
-    for tid, lp in zip(ids, lps, strict=True):
-        text = tokenizer.token_text(tid)
-        out.append((text, lp, list(text.encode("utf-8", errors="replace"))))
-    return out
+    texts: dict[int, str] = {}  # the same alternatives recur from position to position: decode each once
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = texts.get(token_id)
+        if text is None:
+            text = texts[token_id] = tokenizer.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", errors="replace"))}
+
+    return [{**entry(tid, lp), "top_logprobs": [entry(t, v) for v, t in top]}
+            for tid, lp, top in zip(ids, lps, tops, strict=False)]  # fmt: skip

@@ -4,8 +4,9 @@ What is honoured: system/developer/user/assistant/tool messages (string or text-
 assistant `tool_calls` and `reasoning_content` in history, function `tools` with `tool_choice`
 (auto / none / required / named, see docs/proxy.md for what required/named enforce), temperature,
 top_p, top_k, max_tokens / max_completion_tokens, stop, n, seed, logprobs / top_logprobs (the
-engine reports the sampled token's log-probability only, so `top_logprobs` lists that one token),
-stream with `stream_options.include_usage`.
+engine's top logprobs: the k most likely tokens of the distribution the sampled token's logprob
+comes from; `top_logprobs` > 0 needs `logprobs: true`, as in OpenAI's API), stream with
+`stream_options.include_usage`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def new_ids(n: int) -> tuple[str, list[str]]:
 
 
 def to_spec(req: ChatCompletionRequest) -> CallSpec:
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true (set logprobs to true to get the alternatives)",
+                          param="top_logprobs")  # fmt: skip
     tools = [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in req.tools or []]
     choice, name = "auto", None
     if isinstance(req.tool_choice, str):
@@ -42,6 +46,7 @@ def to_spec(req: ChatCompletionRequest) -> CallSpec:
         tools=tools or None, tool_choice=choice, tool_name=name,
         max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k, stop=req.stop_list(), seed=req.seed, n=req.n or 1, api="chat",
+        top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
     )  # fmt: skip
 
 
@@ -93,12 +98,8 @@ def response_message(c: Completion) -> dict[str, Any]:
     return message
 
 
-def _logprobs(tokenizer: ChatTokenizer, c: Completion, top: int) -> dict[str, Any]:
-    entries = []
-    for text, lp, raw in token_logprobs(tokenizer, c):
-        alts = [{"token": text, "logprob": lp, "bytes": raw}] if top > 0 else []
-        entries.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": alts})
-    return {"content": entries, "refusal": None}
+def _logprobs(tokenizer: ChatTokenizer, c: Completion) -> dict[str, Any]:
+    return {"content": token_logprobs(tokenizer, c), "refusal": None}
 
 
 def usage(completions: list[Completion]) -> dict[str, int]:
@@ -111,7 +112,7 @@ def response_body(cid: str, model: str, req: ChatCompletionRequest, completions:
                   tokenizer: ChatTokenizer) -> dict[str, Any]:  # fmt: skip
     choices = []
     for c in completions:
-        logprobs = _logprobs(tokenizer, c, req.top_logprobs or 0) if req.logprobs else None
+        logprobs = _logprobs(tokenizer, c) if req.logprobs else None
         choices.append({"index": c.index, "message": response_message(c), "logprobs": logprobs,
                         "finish_reason": c.finish_reason})  # fmt: skip
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
@@ -138,7 +139,7 @@ async def stream_body(cid: str, model: str, req: ChatCompletionRequest, items: A
             if item.done is not None:
                 c = item.done
                 done.append(c)
-                logprobs = _logprobs(tokenizer, c, req.top_logprobs or 0) if req.logprobs else None
+                logprobs = _logprobs(tokenizer, c) if req.logprobs else None
                 yield chunk(item.index, {}, c.finish_reason, logprobs)
                 continue
             event = item.event

@@ -5,7 +5,9 @@ Items understood: `message` (user/system/developer/assistant, string or text par
 message, function calls) becomes one assistant message, which is how a returned response round-trips.
 `instructions` become a leading system message (not carried over by `previous_response_id`, as
 OpenAI documents). `previous_response_id` names a response of the same session: its conversation
-and output are prepended to the new input.
+and output are prepended to the new input. With `include: ["message.output_text.logprobs"]` the
+message's output text part carries `logprobs` (every sampled token, as chat's `logprobs.content`)
+with `top_logprobs` alternatives each; in a stream they come in `response.output_text.done`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 
-from pipeline.proxy.core import CallSpec, Completion, Generator
+from pipeline.proxy.core import CallSpec, Completion, Generator, token_logprobs
 from pipeline.proxy.errors import ApiError, bad_request
 from pipeline.proxy.http import json_response
 from pipeline.proxy.messages import Message, content_text, tool_call
@@ -35,12 +37,13 @@ async def handle(gen: Generator, session: Session, req: ResponsesRequest, model:
     session.completions[rid] = [rid]
     if req.stream:
         items = await gen.stream(session, spec, [rid])
-        body = _stream(rid, model, req, items, session, chain)
+        body = _stream(rid, model, req, items, session, chain, gen)
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
     (done,) = await gen.complete(session, spec, [rid])
     builder = _Output()
     for event in _events_of(done):
         builder.add(event)
+    _attach_logprobs(builder, gen, req, done)
     output = builder.close_all()
     _remember(session, rid, chain, done)
     return json_response(_response(rid, model, req, output, done))
@@ -127,9 +130,10 @@ def _spec(req: ResponsesRequest, messages: list[Message]) -> CallSpec:
         choice = req.tool_choice
     elif req.tool_choice is not None:
         choice, name = "named", req.tool_choice.name
+    top = (req.top_logprobs or 0) if req.wants_logprobs() else 0  # no alternatives are computed unless shown
     return CallSpec(messages=messages, tools=tools or None, tool_choice=choice, tool_name=name,
                     max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
-                    api="responses")  # fmt: skip
+                    api="responses", top_logprobs=top)  # fmt: skip
 
 
 def _events_of(done: Completion) -> list[Event]:
@@ -139,6 +143,16 @@ def _events_of(done: Completion) -> list[Event]:
         events.append(Event("content", p.content))
     events.extend(Event("tool_call", call=c) for c in p.tool_calls)
     return events
+
+
+def _attach_logprobs(builder: _Output, gen: Generator, req: ResponsesRequest, done: Completion) -> None:
+    """Put the completion's token logprobs on the first message's output text part (when included)."""
+    if not req.wants_logprobs():
+        return
+    for item in builder.items:
+        if item["type"] == "message":
+            item["content"][0]["logprobs"] = token_logprobs(gen.tokenizer, done)
+            return
 
 
 def _remember(session: Session, rid: str, chain: list[Message], done: Completion) -> None:
@@ -214,7 +228,7 @@ class _Output:
         if item["type"] == "reasoning":
             events = [("response.reasoning_text.done", {**base, "text": part["text"]})]
         else:
-            events = [("response.output_text.done", {**base, "text": part["text"], "logprobs": []}),
+            events = [("response.output_text.done", {**base, "text": part["text"], "logprobs": part["logprobs"]}),
                       ("response.content_part.done", {**base, "part": dict(part)})]  # fmt: skip
         events.append(("response.output_item.done", {"output_index": index, "item": _copy(item)}))
         return events
@@ -247,12 +261,12 @@ def _response(rid: str, model: str, req: ResponsesRequest, output: list[dict[str
         "previous_response_id": req.previous_response_id, "instructions": req.instructions,
         "metadata": req.metadata or {}, "usage": usage, "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "text": {"format": {"type": "text"}}, "truncation": "disabled",
+        "text": {"format": {"type": "text"}}, "truncation": "disabled", "top_logprobs": req.top_logprobs,
     }  # fmt: skip
 
 
 async def _stream(rid: str, model: str, req: ResponsesRequest, items: Any, session: Session,
-                  chain: list[Message]) -> AsyncIterator[bytes]:  # fmt: skip
+                  chain: list[Message], gen: Generator) -> AsyncIterator[bytes]:  # fmt: skip
     seq = 0
 
     def event(kind: str, data: dict[str, Any]) -> bytes:
@@ -266,6 +280,7 @@ async def _stream(rid: str, model: str, req: ResponsesRequest, items: Any, sessi
     try:
         async for item in items:
             if item.done is not None:
+                _attach_logprobs(builder, gen, req, item.done)
                 for kind, data in builder.close():
                     yield event(kind, data)
                 _remember(session, rid, chain, item.done)

@@ -12,6 +12,8 @@ from pydantic import Field
 
 from schemas.api.base import INT64_MAX, Loose
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
 
 class InputItem(Loose):
     type: str | None = None
@@ -51,3 +53,10 @@ class ResponsesRequest(Loose):
     stream: bool | None = None
     metadata: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    include: list[str] | None = None
+    """Only `message.output_text.logprobs` has an effect: the output text part then carries `logprobs`."""
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    """Alternatives per token in those logprobs (OpenAI's 0..20)."""
+
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or [])

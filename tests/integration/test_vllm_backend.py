@@ -117,6 +117,25 @@ async def test_generate_token_in_token_out_with_scaled_logprobs(vllm_url: str, t
         assert close(result.output_logprobs, teacher_forced(model, PROMPT[: 2 + i], result.output_ids, 0.8))
 
 
+async def test_top_logprobs_are_vllms_top_k_in_sglang_shape(vllm_url: str, tiny_model_dir: Path):
+    """`top_logprobs_num` becomes vLLM's `logprobs: k`; with top-k/top-p off, its processed logprobs are the
+    temperature-scaled distribution, so the alternatives equal a teacher-forced top-k (stream and not)."""
+    model = load(tiny_model_dir)
+    params = {"max_new_tokens": 6, "temperature": 0.8, "ignore_eos": True, "sampling_seed": 4}
+    async with EngineClient([vllm_url]) as client:
+        whole = await client.generate(PROMPT, params, top_logprobs_num=3)
+        chunks = [c async for c in client.generate_stream(PROMPT, params, top_logprobs_num=3)]
+    assert whole.output_top_logprobs is not None and len(whole.output_top_logprobs) == 6
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([PROMPT + whole.output_ids])).logits[0].float() / 0.8
+    want = torch.log_softmax(logits, dim=-1)[len(PROMPT) - 1 : -1].topk(3)
+    for got, values, ids in zip(whole.output_top_logprobs, want.values.tolist(), want.indices.tolist(), strict=True):
+        assert [t for _, t in got] == ids and close([v for v, _ in got], values)
+    assert [t for c in chunks for t in c.new_ids] == whole.output_ids  # seeded: the same sample
+    streamed = [top for c in chunks for top in c.new_top_logprobs or []]
+    assert [[t for _, t in top] for top in streamed] == [[t for _, t in top] for top in whole.output_top_logprobs]
+
+
 async def test_stream_and_stop_tokens(vllm_url: str):
     async with EngineClient([vllm_url]) as client:
         greedy = await client.generate(PROMPT, {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})

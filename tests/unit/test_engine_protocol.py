@@ -6,8 +6,15 @@ import pytest
 import torch
 
 from pipeline.engine.kvbatch import KVBatch
-from pipeline.engine.protocol import Limits, RequestError, expand, finish_text, stop_token_ids
-from pipeline.engine.wire import EngineError, StreamState, chunk_from, parse_finish_reason, parse_weight_version
+from pipeline.engine.protocol import Limits, RequestError, expand, finish_text, response, stop_token_ids
+from pipeline.engine.wire import (
+    EngineError,
+    StreamState,
+    chunk_from,
+    parse_finish_reason,
+    parse_weight_version,
+    result_from,
+)
 from schemas.engine_api import GenerateReqInput, InitWeightsUpdateGroupReqInput, SamplingParams
 
 LIMITS = Limits(vocab_size=100, max_context=32)
@@ -134,3 +141,50 @@ def test_kv_batch_merge_select_and_trim():
     assert kept is not None and kept.mask.tolist() == [[1, 1, 1], [0, 1, 1]]  # padding-only columns trimmed
     assert kept.lengths().tolist() == [[3], [2]]
     assert merged.select([]) is None
+
+
+def test_top_logprobs_num_is_per_prompt_bounded_and_needs_return_logprob():
+    out = items(input_ids=[[1], [2]], return_logprob=True, top_logprobs_num=[3, 0], sampling_params=[{"n": 2}, {}])
+    assert [i.top_logprobs_num for i in out] == [3, 3, 0]
+    with pytest.raises(RequestError, match="needs return_logprob"):
+        items(input_ids=[1], top_logprobs_num=2)
+    with pytest.raises(RequestError, match="for prompt 1 needs return_logprob"):
+        items(input_ids=[[1], [2]], return_logprob=[True, False], top_logprobs_num=2)
+    for bad in (21, -1, [0, 50]):
+        with pytest.raises(ValueError, match="top_logprobs_num must be between 0 and 20"):
+            GenerateReqInput.model_validate({"input_ids": [1], "return_logprob": True, "top_logprobs_num": bad})
+
+
+def test_response_carries_output_top_logprobs_only_when_asked():
+    class Tok:
+        def decode(self, ids, **_):  # type: ignore[no-untyped-def]
+            return "".join(f"<{i}>" for i in ids)
+
+    (plain,) = items(input_ids=[1], return_logprob=True)
+    (asked,) = items(input_ids=[1], return_logprob=True, top_logprobs_num=2)
+    top = [[(-0.1, 7), (-2.5, 9)], [(-0.3, 8), (-1.4, 7)]]
+    assert "output_top_logprobs" not in response(plain, [7, 8], [-0.1, -0.3], None, 0, Tok())["meta_info"]
+    meta = response(asked, [7, 8], [-0.1, -0.3], None, 0, Tok(), top_logprobs=top, text_in_logprobs=True)["meta_info"]
+    assert meta["output_top_logprobs"] == [[[-0.1, 7, "<7>"], [-2.5, 9, "<9>"]], [[-0.3, 8, "<8>"], [-1.4, 7, "<7>"]]]
+
+
+def test_top_logprobs_on_the_wire_cumulative_incremental_and_checked():
+    def payload(ids, tops, total):  # type: ignore[no-untyped-def]
+        return {"output_ids": ids, "meta_info": {"completion_tokens": total, "finish_reason": None,
+                "output_token_logprobs": [[-1.0, t, None] for t in ids],
+                "output_top_logprobs": [[[lp, t, None] for lp, t in top] for top in tops]}}  # fmt: skip
+
+    a, b = [(-0.5, 5), (-1.0, 3)], [(-0.2, 6), (-2.0, 5)]
+    state = StreamState(top_logprobs_num=2)
+    chunk_from(payload([5], [a], 1), state)
+    second = chunk_from(payload([5, 6], [a, b], 2), state)  # cumulative, as SGLang streams by default
+    assert second is not None and second.new_top_logprobs == [b] and state.top == [a, b]
+    state = StreamState(top_logprobs_num=2)
+    chunk_from(payload([5], [a], 1), state)
+    chunk_from(payload([6], [b], 2), state)  # --incremental-streaming-output deltas
+    assert state.top == [a, b]
+    assert chunk_from(payload([5], [a], 1), StreamState()).new_top_logprobs is None  # type: ignore[union-attr]
+    assert result_from(payload([5, 6], [a, b], 2), "u", 2).output_top_logprobs == [a, b]
+    assert result_from(payload([5, 6], [a, b], 2), "u").output_top_logprobs is None
+    with pytest.raises(EngineError, match="does the server support top_logprobs_num"):
+        result_from(payload([5, 6], [], 2), "u", 2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.engine.sampling import RowSampling, sample_next
+from pipeline.engine.sampling import RowSampling, sample_batch, sample_next
 
 
 def logits_batch(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -85,3 +85,37 @@ def test_mixed_greedy_and_sampled_rows():
     tokens, logprobs = sample_next(logits, rows, generator=torch.Generator().manual_seed(3))
     assert tokens[0] == logits[0].argmax().item() and tokens[2] == logits[2].argmax().item()
     assert all(lp <= 0 for lp in logprobs)
+
+
+def test_top_logprobs_come_from_the_distribution_of_the_returned_logprob():
+    logits = logits_batch(rows=4, vocab=60)
+    rows = [RowSampling(temperature=0.0, top_logprobs_num=5), RowSampling(temperature=2.0, top_logprobs_num=3),
+            RowSampling(temperature=0.5), RowSampling(temperature=1.5, top_logprobs_num=20)]  # fmt: skip
+    out = sample_batch(logits, rows, generator=torch.Generator().manual_seed(2))
+    assert out.top[2] is None  # a row that asks for none gets none
+    for i in (0, 1, 3):
+        dist = torch.log_softmax(logits[i] / (rows[i].temperature if not rows[i].greedy else 1.0), -1)
+        want = dist.topk(rows[i].top_logprobs_num)
+        top = out.top[i]
+        assert top is not None and [t for _, t in top] == want.indices.tolist()
+        assert torch.allclose(torch.tensor([v for v, _ in top]), want.values, atol=1e-6)
+        assert [v for v, _ in top] == sorted((v for v, _ in top), reverse=True)
+        if out.tokens[i] in want.indices.tolist():  # the sampled token's entry is its returned logprob
+            assert abs(dict((t, v) for v, t in top)[out.tokens[i]] - out.logprobs[i]) < 1e-6
+    assert out.top[0][0][1] == out.tokens[0]  # greedy: the most likely alternative is the token itself
+
+
+def test_top_logprobs_follow_the_original_logprob_opt_in():
+    logits = logits_batch(rows=2)
+    rows = [RowSampling(temperature=3.0, top_logprobs_num=4)] * 2
+    out = sample_batch(logits, rows, generator=torch.Generator().manual_seed(1), return_original_logprob=True)
+    raw = torch.log_softmax(logits, -1).topk(4)
+    for i in range(2):
+        assert [t for _, t in out.top[i]] == raw.indices[i].tolist()  # type: ignore[union-attr]
+        assert torch.allclose(torch.tensor([v for v, _ in out.top[i]]), raw.values[i], atol=1e-6)  # type: ignore[union-attr]
+
+
+def test_top_logprobs_num_above_the_vocabulary_returns_the_whole_vocabulary():
+    logits = logits_batch(rows=1, vocab=6)
+    out = sample_batch(logits, [RowSampling(temperature=0.0, top_logprobs_num=20)])
+    assert out.top[0] is not None and sorted(t for _, t in out.top[0]) == list(range(6))

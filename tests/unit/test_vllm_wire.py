@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.engine.protocol import WorkItem
-from pipeline.engine.vllm_wire import choice_tokens, completion_body, finish_reason
+from pipeline.engine.vllm_wire import choice_tokens, choice_top, completion_body, finish_reason
 from schemas.engine_api import SamplingParams
 
 
@@ -45,3 +45,13 @@ def test_choice_tokens_and_finish_reasons():
 def test_text_tokens_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="--return-tokens-as-token-ids"):
         choice_tokens({"logprobs": {"tokens": ["hello"], "token_logprobs": [-1.0]}})
+
+
+def test_top_logprobs_map_to_vllm_logprobs_k_and_back():
+    params = SamplingParams(max_new_tokens=2)
+    assert completion_body(WorkItem("r", [5], params, 2, True, 3), "p", stream=False)["logprobs"] == 3
+    # vLLM's dict per position holds the sampled token as well as the k most likely (here k = 2)
+    choice = {"logprobs": {"tokens": ["token_id:9", "token_id:4"], "token_logprobs": [-3.0, -0.2],
+                           "top_logprobs": [{"token_id:9": -3.0, "token_id:1": -0.1, "token_id:2": -0.9},
+                                            {"token_id:4": -0.2, "token_id:8": -1.7}]}}  # fmt: skip
+    assert choice_top(choice, 2) == [[(-0.1, 1), (-0.9, 2)], [(-0.2, 4), (-1.7, 8)]]
