@@ -28,7 +28,17 @@ from fastapi import Request
 
 from pipeline.engine.hf_admin import register_admin_routes
 from pipeline.engine.http_errors import BadRequest, error_response, parse_body
-from pipeline.engine.protocol import Limits, RequestError, TopEntry, WorkItem, expand, response, stop_token_ids
+from pipeline.engine.protocol import (
+    Limits,
+    RequestError,
+    TopEntry,
+    WorkItem,
+    expand,
+    response,
+    splice_top,
+    stop_token_ids,
+    top_entries,
+)
 from schemas.engine_api import GenerateReqInput
 
 log = logging.getLogger("arl.engine.hf_server")
@@ -227,13 +237,13 @@ class HFServer:
         """SSE chunks like SGLang's: cumulative `output_ids`/`text`/logprobs (deltas if incremental)."""
         ids: list[int] = []
         logprobs: list[float] = []
-        top: list[TopEntry] = []
+        top_json: list[str] = []  # each position's top logprobs, JSON-encoded once (see splice_top)
         incremental = self.config.incremental_streaming_output
         async for event in self._events(item):
             start = len(ids)
             ids += event.new_ids
             logprobs += event.new_logprobs
-            top += event.new_top
+            top_json += [json.dumps(e) for e in top_entries(event.new_top, self.tokenizer, text_in_logprobs)]
             if not event.new_ids and event.finish is None:
                 continue
             chunk = response(
@@ -243,17 +253,19 @@ class HFServer:
                 event.finish,
                 event.weight_version,
                 self.tokenizer,
-                top_logprobs=top,
                 text_in_logprobs=text_in_logprobs,
             )
+            meta = chunk["meta_info"]
+            with_top = meta.pop("output_top_logprobs", None) is not None
             if incremental:
                 chunk["output_ids"] = ids[start:]
                 chunk["text"] = self.tokenizer.decode(ids[start:], skip_special_tokens=item.params.skip_special_tokens)
-                meta = chunk["meta_info"]
-                for key in ("output_token_logprobs", "output_top_logprobs"):
-                    if key in meta:
-                        meta[key] = meta[key][start:]
-            yield f"data: {json.dumps(chunk)}\n\n"
+                if "output_token_logprobs" in meta:
+                    meta["output_token_logprobs"] = meta["output_token_logprobs"][start:]
+            body = json.dumps(chunk)
+            if with_top:
+                body = splice_top(body, top_json[start:] if incremental else top_json)
+            yield f"data: {body}\n\n"
         yield "data: [DONE]\n\n"
 
     # -- info -------------------------------------------------------------------------------

@@ -182,3 +182,16 @@ def response(
 def top_entries(top: list[TopEntry], tokenizer: Any, text_in_logprobs: bool) -> list[list[list[Any]]]:
     """SGLang's `output_top_logprobs`: per position, `[logprob, token_id, text or null]`, most likely first."""
     return [[[lp, tok, tokenizer.decode([tok]) if text_in_logprobs else None] for lp, tok in entry] for entry in top]
+
+
+def splice_top(body: str, positions: list[str]) -> str:
+    """Add `output_top_logprobs` (each position already JSON-encoded) to the JSON text of a response.
+
+    Why: a cumulative stream resends every position's k entries with each token; encoding each
+    position once and joining the encoded texts keeps a long stream's cost on the server's event loop
+    to copying bytes instead of re-encoding O(tokens x k) objects per event. `body` is `json.dumps` of
+    a `response()` dict, whose last key is `meta_info` (so the text ends with two closing braces).
+    """
+    if not body.endswith("}}"):
+        raise ValueError("splice_top needs the JSON of a response() object (meta_info last)")
+    return f'{body[:-2]}, "output_top_logprobs": [{", ".join(positions)}]}}}}'

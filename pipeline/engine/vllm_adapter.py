@@ -29,7 +29,15 @@ from typing import Any
 import httpx
 
 from pipeline.engine.http_errors import BadRequest
-from pipeline.engine.protocol import Limits, TopEntry, WorkItem, finish_text, stop_token_ids, top_entries
+from pipeline.engine.protocol import (
+    Limits,
+    TopEntry,
+    WorkItem,
+    finish_text,
+    splice_top,
+    stop_token_ids,
+    top_entries,
+)
 from pipeline.engine.vllm_wire import choice_tokens, choice_top, completion_body, finish_reason
 
 log = logging.getLogger("arl.engine.vllm_adapter")
@@ -97,7 +105,7 @@ class VLLMAdapter:
         body = completion_body(item, self.config.served_model_name, stream=True)
         ids: list[int] = []
         logprobs: list[float] = []
-        top: list[TopEntry] = []
+        top_json: list[str] = []  # each position's top logprobs encoded once (see protocol.splice_top)
         stops = stop_token_ids(item.params, self.eos_ids)
         self.inflight[item.rid] = asyncio.ensure_future(asyncio.sleep(0))  # abortable marker (see abort)
         try:
@@ -107,7 +115,9 @@ class VLLMAdapter:
                     _upstream_json(resp)
                 async for line in resp.aiter_lines():
                     if item.rid in self.aborted:
-                        yield _sse(self._response(item, ids, logprobs, {"type": "abort", "message": "aborted"}, top))
+                        yield _sse(
+                            self._response(item, ids, logprobs, {"type": "abort", "message": "aborted"}), top_json
+                        )
                         break
                     payload = line.removeprefix("data:").strip()
                     if not line.startswith("data:") or payload == "[DONE]":
@@ -118,10 +128,11 @@ class VLLMAdapter:
                     new_ids, new_lps = choice_tokens(choices[0])
                     ids += new_ids
                     logprobs += new_lps
-                    top += choice_top(choices[0], item.top_logprobs_num)
+                    new_top = top_entries(choice_top(choices[0], item.top_logprobs_num), self.tokenizer, False)
+                    top_json += [json.dumps(position) for position in new_top]
                     finish = finish_reason(choices[0], ids, stops)
                     if new_ids or finish is not None:
-                        yield _sse(self._response(item, ids, logprobs, finish, top))
+                        yield _sse(self._response(item, ids, logprobs, finish), top_json)
         finally:
             self.inflight.pop(item.rid, None)
             self.aborted.discard(item.rid)
@@ -203,8 +214,10 @@ def _upstream_json(resp: httpx.Response) -> Any:
     return resp.json()
 
 
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
+def _sse(obj: dict[str, Any], top_json: list[str]) -> str:
+    with_top = obj["meta_info"].pop("output_top_logprobs", None) is not None
+    body = json.dumps(obj)
+    return f"data: {splice_top(body, top_json) if with_top else body}\n\n"
 
 
 class _ConfigView:

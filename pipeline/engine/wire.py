@@ -103,11 +103,11 @@ def _logprob_values(meta: dict[str, Any]) -> list[float]:
     return [float(entry[0]) if entry[0] is not None else float("nan") for entry in entries]
 
 
-def _top_values(meta: dict[str, Any]) -> list[TopEntry]:
+def _top_values(positions: list[Any]) -> list[TopEntry]:
     """SGLang's `output_top_logprobs` (per position `[[logprob, id, text], ...]` or null) as (logprob, id) pairs."""
     return [
         [(float(e[0]) if e[0] is not None else float("nan"), int(e[1])) for e in position or []]
-        for position in meta.get("output_top_logprobs") or []
+        for position in positions
     ]
 
 
@@ -179,7 +179,7 @@ def result_from(data: dict[str, Any], url: str, top_logprobs_num: int = 0) -> Ge
     reason, matched = parse_finish_reason(meta)
     if len(logprobs) != len(ids):
         raise EngineError(f"{url} returned {len(ids)} output ids but {len(logprobs)} logprobs", server=url)
-    top = _top_values(meta) if top_logprobs_num > 0 else None
+    top = _top_values(meta.get("output_top_logprobs") or []) if top_logprobs_num > 0 else None
     check_top(ids, top or [], top_logprobs_num, url)
     return GenerateResult(
         output_ids=ids,
@@ -212,8 +212,8 @@ def chunk_from(payload: dict[str, Any], state: StreamState) -> GenerateChunk | N
     new_lps = logprobs[len(state.logprobs) :] if len(logprobs) == total else logprobs
     new_top = None
     if state.top_logprobs_num > 0:
-        tops = _top_values(meta)
-        new_top = tops[len(state.top) :] if len(tops) == total else tops
+        raw = meta.get("output_top_logprobs") or []
+        new_top = _top_values(raw[len(state.top) :] if len(raw) == total else raw)  # convert the new part only
         state.top.extend(new_top)
     state.ids.extend(new_ids)
     state.logprobs.extend(new_lps)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline.engine.kvbatch import KVBatch
-from pipeline.engine.protocol import Limits, RequestError, expand, finish_text, response, stop_token_ids
+from pipeline.engine.protocol import Limits, RequestError, expand, finish_text, response, splice_top, stop_token_ids
 from pipeline.engine.wire import (
     EngineError,
     StreamState,
@@ -188,3 +188,15 @@ def test_top_logprobs_on_the_wire_cumulative_incremental_and_checked():
     assert result_from(payload([5, 6], [a, b], 2), "u").output_top_logprobs is None
     with pytest.raises(EngineError, match="does the server support top_logprobs_num"):
         result_from(payload([5, 6], [], 2), "u", 2)
+
+
+def test_splice_top_adds_pre_encoded_positions_to_a_response():
+    import json
+
+    body = json.dumps({"text": "}}", "output_ids": [5], "meta_info": {"id": "r", "finish_reason": None}})
+    position = [[-0.5, 5, None], [-1.5, 3, "x"]]
+    spliced = json.loads(splice_top(body, [json.dumps(position)]))
+    assert spliced["meta_info"] == {"id": "r", "finish_reason": None, "output_top_logprobs": [position]}
+    assert spliced["text"] == "}}"
+    with pytest.raises(ValueError, match="meta_info last"):
+        splice_top(json.dumps({"meta_info": {}, "text": "x"}), [])
