@@ -79,16 +79,22 @@ async def kill_mid_request(url_a: str, proc_a: subprocess.Popen[bytes], url_b: s
     """2 plain + 2 streamed long requests over A and B (least-in-flight puts one of each on A); SIGKILL A."""
     async with EngineClient([url_a, url_b], health_interval_s=0, request_timeout_s=300) as client:
 
-        async def streamed(ids: list[int]) -> list[int]:
+        received = [0, 0]
+
+        async def streamed(i: int) -> list[int]:
             out: list[int] = []
-            async for chunk in client.generate_stream(ids, LONG):
+            async for chunk in client.generate_stream([7, 8, i], LONG):
                 out += chunk.new_ids
+                received[i] += 1
             return out
 
         plain = [asyncio.create_task(client.generate([5, 6, i], LONG)) for i in range(2)]
-        streams = [asyncio.create_task(streamed([7, 8, i])) for i in range(2)]
+        streams = [asyncio.create_task(streamed(i)) for i in range(2)]
         await until(lambda: client.inflight() == {url_a: 2, url_b: 2})
         await until(lambda: busy(url_a) > 0)
+        # A stream fails over only until its first chunk arrives: kill once both have one, or the
+        # stream on A would (rightly) be restarted on B and nothing would be cut.
+        await until(lambda: min(received) > 0)
         os.kill(proc_a.pid, signal.SIGKILL)  # our own child, by pid
         proc_a.wait(timeout=30)
         done = await asyncio.wait_for(asyncio.gather(*plain, *streams, return_exceptions=True), timeout=400)
