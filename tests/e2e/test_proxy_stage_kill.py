@@ -137,7 +137,8 @@ def test_finished_sessions_survive_kill9_of_the_proxy_stage(tmp_path: Path, tiny
         row = by_session[client["session_id"]]
         sampled = [i for i, m in enumerate(row["loss_mask"]) if m]
         n = len(client["tokens"])
-        assert n > 0 and len(sampled) - n in (0, 1), "the client saw every sampled token but a final end token"
+        # The random tiny model may end at once (n == 0): then the row holds just that end token.
+        assert sampled and len(sampled) - n in (0, 1), "the client saw every sampled token but a final end token"
         assert [tok.token_text(row["input_ids"][i]) for i in sampled[:n]] == client["tokens"]
         assert _f32([row["logprobs"][i] for i in sampled[:n]]) == _f32(client["logprobs"])
         assert row["reward"] == client["reward"]
