@@ -14,14 +14,15 @@ from pathlib import Path
 
 from rich.console import Console
 
-from pipeline.errors import ArlError, WaitTimeout
-from pipeline.handoff import read_json, write_text_atomic
+from pipeline.errors import ArlError, SchemaError, WaitTimeout
+from pipeline.handoff import write_text_atomic
 from pipeline.launch.jobs import JobRecord, add_record, latest, next_attempt, read_jobs
 from pipeline.launch.plan import StagePlan, plan_run, sbatch_script_path
 from pipeline.launch.rundir import prepare_run_dir, refuse_if_running
 from pipeline.launch.sbatch import render_sbatch
 from pipeline.launch.state import JobState, record_states
 from pipeline.paths import RunPaths
+from pipeline.weight_version import published_version
 from schemas.config import ArlConfig
 
 EXECUTORS = ("slurm", "local")
@@ -109,12 +110,10 @@ def write_dry_run(plans: list[StagePlan], config: ArlConfig, paths: RunPaths, at
 
 def finished_version(paths: RunPaths) -> int:
     """The newest weight version the trainer completed (checkpoint marker or published version)."""
-    published = 0
-    if paths.weight_version.exists():
-        try:
-            published = int(read_json(paths.weight_version).get("version", 0))
-        except (ValueError, TypeError, AttributeError):
-            published = 0
+    try:
+        published = published_version(paths)
+    except SchemaError:
+        published = 0  # the checkpoints still say how far the trainer got
     return max([published, *paths.complete_checkpoints()])
 
 

@@ -17,12 +17,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.errors import ArlError
-from pipeline.handoff import read_json
+from pipeline.errors import ArlError, SchemaError
 from pipeline.launch.jobs import JobRecord, latest, read_jobs, update_record
 from pipeline.launch.state import JobState, pid_is_ours, record_states
 from pipeline.metrics import read_jsonl
 from pipeline.paths import RunPaths
+from pipeline.weight_version import published_version
 
 RECENT_STEPS = 5
 
@@ -120,12 +120,11 @@ def _jobs_table(newest: dict[str, JobRecord], states: dict[tuple[str, int], JobS
 
 def _progress_line(paths: RunPaths) -> str:
     steps = paths.complete_steps()
-    version: Any = 0
-    if paths.weight_version.exists():
-        try:
-            version = read_json(paths.weight_version).get("version", "?")
-        except ValueError:
-            version = "? (unreadable state/weight_version.json)"
+    version: Any
+    try:
+        version = published_version(paths)
+    except SchemaError:
+        version = "? (unreadable state/weight_version.json)"
     checkpoints = paths.complete_checkpoints()
     step = steps[-1] if steps else "none yet"
     return (f"newest complete step: {step} ({len(steps)} complete)   weight version: {version}   "

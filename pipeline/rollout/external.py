@@ -42,7 +42,7 @@ from pipeline.paths import RunPaths
 from pipeline.rollout.metrics import StepTally
 from pipeline.rollout.proxy_api import RUN_STATUS_HEADER, ProxyAPI
 from pipeline.rollout.spool import CONSUMED_KEY, Spool, SpooledSession
-from pipeline.rollout.staleness import published_version
+from pipeline.weight_version import published_version
 from schemas.config import ArlConfig
 
 log = logging.getLogger("arl.proxy.external")
@@ -252,7 +252,7 @@ class Admission:
 async def admit(admin: ProxyAPI, admission: Admission, ledger: SessionLedger, paths: RunPaths, config: ArlConfig,
                 step: int, buffered: int) -> None:  # fmt: skip
     """Top the proxy's capacity up to what the staleness bound allows right now."""
-    count = admission.slots(step=step, version=published_version(paths.weight_version),
+    count = admission.slots(step=step, version=published_version(paths),
                             max_staleness=config.rollout.max_staleness, num_steps=config.num_steps,
                             batch_size=config.rollout.batch_size, buffered=buffered,
                             in_flight=len(ledger.sessions) + ledger.recording,
@@ -344,7 +344,7 @@ async def run_external(config: ArlConfig, paths: RunPaths, *, name: str = "exter
 
 async def external_step(run: ExternalRun, step: int) -> None:
     """Fill one step with `batch_size` finished sessions, publish it like the rollout does, then unspool them."""
-    tally = StepTally(step, weight_version=published_version(run.paths.weight_version))
+    tally = StepTally(step, weight_version=published_version(run.paths))
     rows, consumed, sessions = await fill_step(run, step, tally)
     stats = publish_external_step(run.paths, run.config, step, rows, consumed, tally, run.name)
     run.spool.remove(consumed)  # only now: a crash before this is undone on restart via the manifest

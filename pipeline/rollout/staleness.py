@@ -14,30 +14,17 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
-from pipeline.errors import SchemaError, WaitTimeout
-from pipeline.handoff import read_json
+from pipeline.errors import WaitTimeout
 from pipeline.paths import RunPaths
+from pipeline.weight_version import published_version
 
 log = logging.getLogger("arl.rollout")
 
 
 def required_version(step: int, max_staleness: int) -> int:
     return max(step - max_staleness, 0)
-
-
-def published_version(path: Path) -> int:
-    """The trainer's published weight version; 0 when no file exists yet (the initial model)."""
-    if not path.exists():
-        return 0
-    try:
-        data = read_json(path)
-        return int(data["version"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        # A torn file cannot happen (the trainer writes atomically); a malformed one is a bug upstream.
-        raise SchemaError(f"{path} is not a weight-version record {{'version': int, ...}}: {exc}") from exc
 
 
 async def wait_for_version(
@@ -57,7 +44,7 @@ async def wait_for_version(
     last_note = 0.0
     file_version = engine = -1
     while True:
-        file_version = published_version(paths.weight_version)
+        file_version = published_version(paths)
         if file_version >= needed:
             engine = await engine_version() if engine_version is not None else file_version
             if engine >= needed:

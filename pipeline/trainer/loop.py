@@ -27,7 +27,8 @@ from pipeline.trainer.data import StepData, load_step
 from pipeline.trainer.losses import LossOutput, TokenBatch, policy_loss
 from pipeline.trainer.metrics import Timings, open_sinks, peak_flops, step_metrics
 from pipeline.trainer.packing import MicroBatch, plan_step
-from pipeline.trainer.publish import announce_version, make_publisher
+from pipeline.trainer.publish import make_publisher
+from pipeline.weight_version import read_weight_version, write_weight_version
 from schemas.config import ArlConfig
 
 log = logging.getLogger("arl.trainer")
@@ -178,7 +179,7 @@ class Trainer:
         t0 = time.perf_counter()
         if self.publisher is not None:
             servers = self.publisher.publish(version, checkpoint, self._state_dict)
-            announce_version(self.paths, version, checkpoint)
+            write_weight_version(self.paths, version, checkpoint)
             log.info("version %d published to %d server(s)%s", version, len(servers), f": {servers}" if servers else "")
         self._state_dict = None
         fsdp.barrier()
@@ -189,8 +190,8 @@ class Trainer:
         if version == 0 or self.publisher is None:
             fsdp.barrier()
             return
-        announced = read_json(self.paths.weight_version)["version"] if self.paths.weight_version.exists() else None
-        if announced != version:
+        announced = read_weight_version(self.paths)
+        if announced is None or announced.version != version:
             self._state_dict = self.backend.hf_state_dict() if self.cfg.weight_sync == "nccl" else None
             self.publish(version, self.paths.checkpoint_dir(version), Timings())
         else:

@@ -7,10 +7,10 @@ announced by `/update_weights_from_distributed` WHILE rank 0 broadcasts it (the 
 blocks in the matching receives, so the HTTP call and the broadcast must overlap: the admin calls
 run on an event loop in a background thread). Backend `gloo` on CPU, `nccl` on GPU.
 
-The version is announced (`state/weight_version.json`) only after every server confirmed it; a
-server that fails is named in the error (`EngineError` lists them). With no server registered
-(the trainer run alone, a test or a rerun) the version file is still written and the log says that
-no server was updated. Publication runs on the trainer's rank 0 only.
+The trainer announces the version (`state/weight_version.json`, via `pipeline.weight_version`) only
+after every server confirmed it; a server that fails is named in the error (`EngineError` lists
+them). With no server registered (the trainer run alone, a test or a rerun) the version file is
+still written and the log says that no server was updated. Publication runs on rank 0 only.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import socket
 import threading
 import time
 from collections.abc import Coroutine
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -54,13 +53,6 @@ def make_publisher(kind: str, paths: RunPaths, timeout_s: float, tied_embeddings
     if kind == "nccl":
         return BroadcastPublisher(paths, timeout_s, tied_embeddings)
     raise ValueError(f"unknown trainer.weight_sync {kind!r}; valid: disk, nccl")
-
-
-def announce_version(paths: RunPaths, version: int, checkpoint: Path | None) -> None:
-    """`state/weight_version.json`: the version every server has confirmed (the rollout's staleness gate)."""
-    rel = str(checkpoint.relative_to(paths.root)) if checkpoint is not None else None
-    published_at = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-    write_json_atomic(paths.weight_version, {"version": version, "checkpoint": rel, "published_at": published_at})
 
 
 class AsyncRunner:
@@ -204,8 +196,6 @@ class BroadcastPublisher:
             destroy_weight_group(self.group)
             self.group = None
         self.owner.close()
-
-
 
 
 def _is_loopback(url: str) -> bool:

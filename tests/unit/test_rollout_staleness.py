@@ -13,12 +13,12 @@ from pipeline.handoff import write_json_atomic
 from pipeline.paths import RunPaths
 from pipeline.rollout.metrics import StepTally, drop_constant_groups
 from pipeline.rollout.staleness import (
-    published_version,
     required_version,
     split_stale,
     staleness_histogram,
     wait_for_version,
 )
+from pipeline.weight_version import published_version
 
 
 def _row(group: str, reward: float, versions: list[int], session: str = "s") -> dict[str, Any]:
@@ -35,9 +35,9 @@ def test_required_version() -> None:
 
 def test_published_version(tmp_path: Path) -> None:
     paths = RunPaths(tmp_path)
-    assert published_version(paths.weight_version) == 0  # version 0 needs no file
+    assert published_version(paths) == 0  # version 0 needs no file
     write_json_atomic(paths.weight_version, {"version": 3, "checkpoint": None})
-    assert published_version(paths.weight_version) == 3
+    assert published_version(paths) == 3
 
 
 def test_stale_samples_are_dropped_and_counted() -> None:
