@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from pipeline.errors import ConfigError
 from schemas.config import ArlConfig
+from schemas.config.base import RENAMED_KEY
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ArlConfig:
@@ -86,6 +87,9 @@ def _check_key(dotted: str) -> None:
         if model is None:
             raise ConfigError(f"override key {dotted!r}: {'.'.join(walked)} has no sub-keys")
         fields = model.model_fields
+        renamed = getattr(model, "renamed_keys", {})
+        if part in renamed:
+            raise ConfigError(f"config key {'.'.join([*walked, part])!r} was replaced: {renamed[part]}")
         if part not in fields:
             raise ConfigError(_unknown_key_message(".".join([*walked, part]), part, list(fields)))
         walked.append(part)
@@ -126,6 +130,10 @@ def _format_errors(exc: ValidationError, source: str) -> str:
     for err in exc.errors():
         loc = tuple(err["loc"])
         path = ".".join(str(p) for p in loc)
+        if err["type"] == RENAMED_KEY:
+            ctx = err.get("ctx", {})
+            lines.append(f"  {'.'.join([*map(str, loc), str(ctx.get('old'))])} was replaced: {ctx.get('hint')}")
+            continue
         if err["type"] == "extra_forbidden":
             parent = _model_at(loc[:-1])
             valid = list(parent.model_fields) if parent else []

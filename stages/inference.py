@@ -3,29 +3,21 @@
 Starts `inference.num_servers` servers of the configured backend (`hf`, `vllm`, `sglang`) on this
 node, registers them in `registry/inference/`, and supervises them until SIGTERM/SIGINT, when it
 deregisters them first and then stops them. Logs to `logs/inference/attempt_<n>.log`; each server
-logs to `logs/inference/server-<i>.attempt_<n>.log`. See `pipeline.engine.launch`.
+logs to `logs/inference/server-<i>.attempt_<n>.log`. `--step` is ignored: the servers serve every
+step. See `pipeline.engine.server.launch` and docs/inference.md.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from pathlib import Path
 
 
 def main(run_dir: Path, step: int | None = None) -> int:
     """Serve until stopped; returns the exit code (errors propagate to the CLI, which prints them)."""
-    from pipeline.config import config_from_run_dir
-    from pipeline.logs import setup_logging
-    from pipeline.paths import RunPaths
+    from pipeline.stage import open_stage
 
-    paths = RunPaths(Path(run_dir))
-    attempt = int(os.environ.get("ARL_ATTEMPT", "0")) or paths.next_attempt("inference")
-    setup_logging("inference", paths.stage_log("inference", attempt))
-    if step is not None:
-        logging.getLogger("arl").info("--step %d ignored: the inference stage serves every step", step)
-    config = config_from_run_dir(run_dir)
+    ctx = open_stage("inference", run_dir, step)
 
-    from pipeline.engine.launch import run_inference
+    from pipeline.engine.server.launch import run_inference
 
-    return run_inference(Path(run_dir), config, attempt=attempt)
+    return run_inference(ctx)

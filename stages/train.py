@@ -2,28 +2,20 @@
 
 Reads the frozen config from the run dir, logs to `logs/train/attempt_<n>.log` (rank 0; other
 ranks to `attempt_<n>.rank<r>.log`), then runs `pipeline.trainer.loop.run_trainer`: every remaining
-step, or with `--step N` exactly step N from version N.
+step, or with `--step N` exactly step N from version N. See docs/trainer.md.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 
 def main(run_dir: Path, step: int | None = None) -> int:
     """Train; returns the exit code (errors propagate to the CLI, which prints them)."""
-    from pipeline.logs import setup_logging
-    from pipeline.paths import RunPaths
+    from pipeline.stage import open_stage
 
-    paths = RunPaths(Path(run_dir))
-    rank = int(os.environ.get("RANK", "0"))
-    attempt = int(os.environ.get("ARL_ATTEMPT", "0")) or paths.next_attempt("train")
-    log_file = paths.stage_log("train", attempt)
-    if rank != 0:
-        log_file = log_file.with_name(f"attempt_{attempt}.rank{rank}.log")
-    setup_logging("train", log_file)
+    ctx = open_stage("train", run_dir, step)
 
     from pipeline.trainer.loop import run_trainer
 
-    return run_trainer(Path(run_dir), step)
+    return run_trainer(ctx)

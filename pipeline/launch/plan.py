@@ -37,7 +37,7 @@ class StagePlan:
 
 def stages_for(config: ArlConfig) -> list[str]:
     """The stages of a run: the built-in rollout, or the standalone proxy when agents are external."""
-    return ["inference", "proxy" if config.rollout.external else "rollout", "train"]
+    return ["inference", "proxy" if config.rollout.source == "external" else "rollout", "train"]
 
 
 def sbatch_script_path(paths: RunPaths, stage: str) -> Path:

@@ -42,6 +42,7 @@ from pipeline.paths import RunPaths
 from pipeline.rollout.metrics import StepTally
 from pipeline.rollout.proxy_api import RUN_STATUS_HEADER, ProxyAPI
 from pipeline.rollout.spool import CONSUMED_KEY, Spool, SpooledSession
+from pipeline.stage import StageContext
 from pipeline.weight_version import published_version
 from schemas.config import ArlConfig
 
@@ -307,11 +308,13 @@ class ExternalRun:
     admission: Admission = field(default_factory=Admission)
 
 
-async def run_external(config: ArlConfig, paths: RunPaths, *, name: str = "external",
-                       only_step: int | None = None) -> list[int]:  # fmt: skip
-    """Serve the standalone proxy and publish steps of outside sessions until `num_steps` (or `only_step`)."""
+async def run_external(ctx: StageContext, *, name: str = "external") -> list[int]:
+    """The `proxy` stage: serve the standalone proxy and publish steps of outside sessions until
+    `num_steps` (or exactly `ctx.only_step`); return the steps published."""
     from pipeline.rollout.loop import missing_steps, open_sink
     from pipeline.rollout.services import open_services
+
+    config, paths, only_step = ctx.config, ctx.paths, ctx.only_step
 
     if not config.proxy.require_capacity:
         log.warning("proxy.require_capacity is false: outside sessions are admitted regardless of the weight "

@@ -27,6 +27,7 @@ from pipeline.rollout.progress import StepProgress
 from pipeline.rollout.proxy_api import NoCapacity, ProxyAPI, ProxyAPIError, SessionAPI
 from pipeline.rollout.runner import Executor, InlineExecutor, RunContext, RunReport, SubprocExecutor
 from pipeline.rollout.staleness import required_version, split_stale, wait_for_version
+from pipeline.stage import StageContext
 from schemas.config import ArlConfig
 
 log = logging.getLogger("arl.rollout")
@@ -51,9 +52,11 @@ class Rollout:
     tokenizer: str
 
 
-async def run_rollout(config: ArlConfig, paths: RunPaths, *, only_step: int | None = None) -> list[int]:
-    """Produce the missing steps (or exactly `only_step`); return the steps published."""
+async def run_rollout(ctx: StageContext) -> list[int]:
+    """The `rollout` stage: produce the missing steps (or exactly `ctx.only_step`); return the steps published."""
     from pipeline.rollout.services import open_services
+
+    config, paths, only_step = ctx.config, ctx.paths, ctx.only_step
 
     schedule = build_schedule(config)
     check_cursor(paths.rollout_state, schedule)

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.config import config_from_run_dir
 from pipeline.errors import ArlError
 from pipeline.handoff import read_json, wait_for
 from pipeline.paths import RunPaths, step_name
+from pipeline.stage import StageContext
 from pipeline.trainer import checkpoint as ckpt
 from pipeline.trainer import fsdp
 from pipeline.trainer.advantages import compute_advantages
@@ -34,15 +34,14 @@ from schemas.config import ArlConfig
 log = logging.getLogger("arl.trainer")
 
 
-def run_trainer(run_dir: Path, step: int | None = None) -> int:
-    """The `train` stage: every remaining step of the run, or (with `step`) exactly that one step."""
-    config = config_from_run_dir(run_dir)
-    trainer = Trainer(config, RunPaths(Path(run_dir)))
+def run_trainer(ctx: StageContext) -> int:
+    """The `train` stage: every remaining step of the run, or (with `ctx.only_step`) exactly that one step."""
+    trainer = Trainer(ctx.config, ctx.paths)
     try:
-        if step is None:
+        if ctx.only_step is None:
             trainer.run()
         else:
-            trainer.redo(step)
+            trainer.redo(ctx.only_step)
     finally:
         trainer.close()
     return 0
@@ -59,7 +58,7 @@ class Trainer:
         if self.rank0:
             tied = bool(read_json(Path(config.model.path) / "config.json").get("tie_word_embeddings", False))
             self.publisher = make_publisher(self.cfg.weight_sync, paths, self.cfg.publish_timeout_s, tied)
-        self.upstream = "proxy" if config.rollout.external else "rollout"
+        self.upstream = "proxy" if config.rollout.source == "external" else "rollout"
         self.peak: float | None = None
         self._state_dict: dict[str, torch.Tensor] | None = None
         """Full HF-named weights of the version being published (rank 0), shared by checkpoint and broadcast."""

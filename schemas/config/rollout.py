@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -21,8 +21,13 @@ class DatasetConfig(Block):
 
 
 class RolloutConfig(Block):
-    external: bool = False
-    """If true, run a standalone proxy for external agents (`arl stage proxy`) instead of a built-in agent."""
+    renamed_keys: ClassVar[dict[str, str]] = {
+        "external": "write `rollout.source: external` for `external: true`, `rollout.source: agent` for false",
+    }
+
+    source: Literal["agent", "external"] = "agent"
+    """Where trajectories come from: `agent` = the rollout stage runs `rollout.agent` over `rollout.dataset`;
+    `external` = agents outside arl call a standalone proxy (`arl stage proxy`, docs/rollout.md)."""
     agent: str = "examples/demo_agent.py:DemoAgent"
     """The agent: `module:attr` or `path/to/file.py:attr` (a class, an instance, or a workflow)."""
     agent_kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -46,7 +46,7 @@ def _run_dir(tmp_path: Path, model_dir: Path, engine_url: str) -> RunPaths:
     config = validate_config({
         "fileroot": str(tmp_path / "runs"), "num_steps": 1, "model": {"path": str(model_dir)},
         "proxy": {"client_keys": [CLIENT_KEY], "require_capacity": True, "max_tokens_limit": 16},
-        "rollout": {"external": True, "batch_size": 4, "max_staleness": 0},
+        "rollout": {"source": "external", "batch_size": 4, "max_staleness": 0},
     })  # fmt: skip
     paths = RunPaths.from_config(config.fileroot, config.experiment_name, config.trial_name)
     paths.root.mkdir(parents=True)

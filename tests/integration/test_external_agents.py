@@ -20,6 +20,7 @@ from pipeline.config import dump_config, validate_config
 from pipeline.errors import ArlError
 from pipeline.handoff import write_json_atomic
 from pipeline.paths import RunPaths
+from pipeline.stage import StageContext
 
 REPO = Path(__file__).resolve().parents[2]
 CLIENT_KEY = "ck-test-team"
@@ -40,7 +41,7 @@ def make_run(tmp_path: Path, model_dir: Path, engine_url: str, **rollout: Any) -
     config = validate_config({
         "fileroot": str(tmp_path / "runs"), "num_steps": 2, "model": {"path": str(model_dir)},
         "proxy": {"client_keys": [CLIENT_KEY], "require_capacity": True, "max_tokens_limit": 16},
-        "rollout": {"external": True, "batch_size": 4, **rollout},
+        "rollout": {"source": "external", "batch_size": 4, **rollout},
     })  # fmt: skip
     paths = RunPaths.from_config(config.fileroot, config.experiment_name, config.trial_name)
     paths.root.mkdir(parents=True)
@@ -75,7 +76,7 @@ async def test_external_agent_process_fills_steps(tmp_path: Path, tiny_model_dir
     from schemas.trajectory import validate_table
 
     config, paths = make_run(tmp_path, tiny_model_dir, engine_url, max_staleness=1)
-    stage = asyncio.create_task(run_external(config, paths))
+    stage = asyncio.create_task(run_external(StageContext("proxy", paths, config)))
     await wait_until(lambda: paths.proxy_entry("external").exists(), stage)
     entry = json.loads(paths.proxy_entry("external").read_text())
     assert set(entry) == {"url", "host", "pid", "started_at"}, "the registry entry never holds a key"
@@ -122,7 +123,7 @@ async def test_external_sessions_wait_for_fresh_weights(tmp_path: Path, tiny_mod
     from pipeline.rollout.external import run_external
 
     config, paths = make_run(tmp_path, tiny_model_dir, engine_url, max_staleness=0)
-    stage = asyncio.create_task(run_external(config, paths))
+    stage = asyncio.create_task(run_external(StageContext("proxy", paths, config)))
     await wait_until(lambda: paths.proxy_entry("external").exists(), stage)
 
     async def run_one() -> None:
@@ -155,7 +156,7 @@ async def test_a_session_that_cannot_be_spooled_answers_503_and_stops_the_stage(
     from pipeline.rollout.proxy_api import ProxyAPIError
 
     config, paths = make_run(tmp_path, tiny_model_dir, engine_url, max_staleness=1)
-    stage = asyncio.create_task(run_external(config, paths))
+    stage = asyncio.create_task(run_external(StageContext("proxy", paths, config)))
     await wait_until(lambda: paths.proxy_entry("external").exists(), stage)
     paths.proxy_spool.write_text("a file where the spool directory belongs")  # writes fail, as on a dead disk
     with pytest.raises(ProxyAPIError) as refused:

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.metrics import read_jsonl
+from pipeline.stage import StageContext
 from pipeline.trainer.loop import run_trainer
 
 OVERRIDES = ["num_steps=2", "trainer.minibatches=2", "trainer.micro_batch_tokens=64", "trainer.optimizer.lr=0.001",
@@ -24,7 +25,7 @@ def test_two_process_fsdp_update_equals_single_process(make_train_run, tiny_mode
     rows = {"num_groups": 3, "group_size": 4, "completion_lens": [5, 12, 8, 20]}
     single = make_train_run(steps=[0, 1], overrides=OVERRIDES, name="single", **rows)
     sharded = make_train_run(steps=[0, 1], overrides=OVERRIDES, name="fsdp", **rows)
-    run_trainer(single.root)
+    run_trainer(StageContext.from_run_dir("train", single.root))
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

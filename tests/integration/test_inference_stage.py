@@ -17,11 +17,12 @@ import pytest
 
 from pipeline.config import dump_config, load_config
 from pipeline.engine.client import EngineClient
-from pipeline.engine.launch import ServerDied, initial_weights, run_inference
+from pipeline.engine.server.launch import ServerDied, initial_weights, run_inference
 from pipeline.engine.registry import read_entries, urls_from_registry
 from pipeline.errors import WaitTimeout
 from pipeline.handoff import write_json_atomic, write_text_atomic
 from pipeline.paths import COMPLETE, RunPaths
+from pipeline.stage import StageContext
 from schemas.config import ArlConfig
 
 
@@ -54,7 +55,7 @@ class StageThread:
 
     def _run(self, paths: RunPaths, config: ArlConfig) -> None:
         try:
-            self.result.append(run_inference(paths.root, config, attempt=1, stop=self.stop))
+            self.result.append(run_inference(StageContext("inference", paths, config, attempt=1), stop=self.stop))
         except BaseException as exc:
             self.result.append(exc)
 
@@ -119,7 +120,7 @@ def test_resume_serves_the_newest_complete_checkpoint(tmp_path: Path, tiny_model
 def test_startup_failure_names_the_server_and_its_log(tmp_path: Path):
     paths, config = make_run(tmp_path, tmp_path / "no-such-model")
     with pytest.raises(ServerDied) as info:
-        run_inference(paths.root, config, attempt=1)
+        run_inference(StageContext("inference", paths, config, attempt=1))
     message = str(info.value)
     assert "exited with code" in message and "server-0.attempt_1.log" in message
     assert read_entries(paths) == {}
@@ -128,7 +129,7 @@ def test_startup_failure_names_the_server_and_its_log(tmp_path: Path):
 def test_startup_deadline_names_the_server(tmp_path: Path, tiny_model_dir: Path):
     paths, config = make_run(tmp_path, tiny_model_dir, "inference.startup_timeout_s=0.5")
     with pytest.raises(WaitTimeout) as info:
-        run_inference(paths.root, config, attempt=1)
+        run_inference(StageContext("inference", paths, config, attempt=1))
     assert "server-0.attempt_1.log" in str(info.value) and "startup_timeout_s" in str(info.value)
     assert read_entries(paths) == {}
 

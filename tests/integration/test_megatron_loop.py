@@ -14,6 +14,7 @@ pytest.importorskip("megatron.core")
 
 from pipeline.metrics import read_jsonl
 from pipeline.paths import RunPaths
+from pipeline.stage import StageContext
 from pipeline.trainer.loop import run_trainer
 
 OVERRIDES = ["trainer.backend=megatron", "num_steps=3", "trainer.minibatches=2", "trainer.optimizer.lr=0.003",
@@ -39,7 +40,7 @@ def test_megatron_loop_learns_checkpoints_and_reruns_a_step_exactly(make_train_r
     from pipeline.shards import read_step
 
     paths: RunPaths = make_train_run(steps=[0, 1, 2], overrides=OVERRIDES)
-    assert run_trainer(paths.root) == 0
+    assert run_trainer(StageContext.from_run_dir("train", paths.root)) == 0
 
     rows = read_step(paths, 0).to_pylist()
     before = completion_logprob(tiny_model_dir, rows)
@@ -56,7 +57,8 @@ def test_megatron_loop_learns_checkpoints_and_reruns_a_step_exactly(make_train_r
     assert "megatron_layout.json" in state and "optimizer_rank00000.pt" in state
 
     version_2 = load_file(str(paths.checkpoint_dir(2) / "model.safetensors"))
-    assert run_trainer(paths.root, step=1) == 0  # redo step 1 from version 1 + its optimizer state
+    # redo step 1 from version 1 + its optimizer state
+    assert run_trainer(StageContext.from_run_dir("train", paths.root, only_step=1)) == 0
     redone = load_file(str(paths.checkpoint_dir(2) / "model.safetensors"))
     assert redone.keys() == version_2.keys()
     for name, tensor in version_2.items():

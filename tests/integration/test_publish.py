@@ -21,6 +21,7 @@ from pipeline.engine.registry import write_entry
 from pipeline.engine.testing import ServerHandle, free_port, start_hf_server
 from pipeline.handoff import read_json
 from pipeline.paths import RunPaths
+from pipeline.stage import StageContext
 from pipeline.trainer.loop import run_trainer
 from pipeline.trainer.publish import buckets
 from schemas.engine_api import InferenceEntry
@@ -74,7 +75,7 @@ def check_served_equals_checkpoint(paths: RunPaths, url: str, initial: Path) -> 
 def test_disk_publication_reloads_every_server(make_train_run, server: ServerHandle, tiny_model_dir: Path) -> None:
     paths = make_train_run(steps=[0], overrides=[*OVERRIDES, "trainer.weight_sync=disk"])
     register(paths, "s0", server.url, tiny_model_dir)
-    run_trainer(paths.root)
+    run_trainer(StageContext.from_run_dir("train", paths.root))
     check_served_equals_checkpoint(paths, server.url, tiny_model_dir)
     assert read_json(paths.weight_version)["checkpoint"] == "checkpoints/step_000001"
 
@@ -99,7 +100,7 @@ def test_failing_server_is_named_and_version_not_announced(make_train_run, serve
     register(paths, "s0", server.url, tiny_model_dir)
     register(paths, "s1", dead, tiny_model_dir)
     with pytest.raises(EngineError) as err:
-        run_trainer(paths.root)
+        run_trainer(StageContext.from_run_dir("train", paths.root))
     assert dead in str(err.value) and server.url not in (err.value.server or "")
     assert not paths.weight_version.exists()
     assert paths.checkpoint_marker(1).exists()  # the checkpoint stays: a restart re-publishes it

@@ -11,6 +11,7 @@ import pytest
 
 from pipeline.config import dump_config, load_config
 from pipeline.paths import RunPaths
+from pipeline.stage import StageContext
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,6 +51,6 @@ async def test_tool_agent_example_step(tmp_path: Path, tiny_model_dir: Path, mon
         write_entry(paths, "hf-0", InferenceEntry(url=server.url, backend="hf", model_path=str(tiny_model_dir),
                                                    weight_version=0, host=socket.gethostname(), pid=os.getpid(),
                                                    started_at=time.time()))  # fmt: skip
-        assert await run_rollout(config, paths) == [0]
+        assert await run_rollout(StageContext("rollout", paths, config)) == [0]
     table = read_step(paths, 0)
     assert validate_table(table) >= 4  # 2 prompts x 2 runs, concat: at least one row per run

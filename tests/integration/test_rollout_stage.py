@@ -18,6 +18,7 @@ from pipeline.config import dump_config, validate_config
 from pipeline.handoff import write_json_atomic
 from pipeline.metrics import read_jsonl
 from pipeline.paths import RunPaths
+from pipeline.stage import StageContext
 from schemas.config import ArlConfig
 from schemas.trajectory import validate_table
 
@@ -149,7 +150,7 @@ async def test_inline_tool_agent_produces_valid_shards(tmp_path: Path, tiny_mode
     rows_in[4]["boom"] = True
     config, paths = make_run(tmp_path, tiny_model_dir, engine_url, "InlineToolAgent", rows=rows_in,
                              agent_kwargs={"max_tokens": 5}, max_error_rate=0.5)  # fmt: skip
-    assert await run_rollout(config, paths) == [0, 1]
+    assert await run_rollout(StageContext("rollout", paths, config)) == [0, 1]
 
     schedule = build_schedule(config)
     for step in (0, 1):
@@ -175,7 +176,7 @@ async def test_inline_tool_agent_produces_valid_shards(tmp_path: Path, tiny_mode
     cursor = json.loads(paths.rollout_state.read_text())
     assert cursor["last_step"] == 1 and cursor["next_position"] == 4
     assert not paths.proxy_entry("rollout").exists(), "the registry entry goes away with the proxy"
-    assert await run_rollout(config, paths) == [], "a finished run has nothing left to do"
+    assert await run_rollout(StageContext("rollout", paths, config)) == [], "a finished run has nothing left to do"
 
 
 async def test_subproc_sync_agent_with_env_and_dict_rewards(tmp_path: Path, tiny_model_dir: Path,
@@ -184,7 +185,7 @@ async def test_subproc_sync_agent_with_env_and_dict_rewards(tmp_path: Path, tiny
 
     config, paths = make_run(tmp_path, tiny_model_dir, engine_url, "SyncEnvAgent", mode="subproc",
                              subproc_workers=2, num_steps=1, export_style="individual")  # fmt: skip
-    await run_rollout(config, paths)
+    await run_rollout(StageContext("rollout", paths, config))
     rows = read_rows(paths, 0)
     assert len(rows) == 8 and all(r["num_turns"] == 1 for r in rows)  # individual: one row per LLM call
     by_session: dict[str, list[dict[str, Any]]] = {}
@@ -203,7 +204,7 @@ async def test_anthropic_workflow_agent(tmp_path: Path, tiny_model_dir: Path, en
     from pipeline.rollout.loop import run_rollout
 
     config, paths = make_run(tmp_path, tiny_model_dir, engine_url, "AnthropicWorkflow", num_steps=1)
-    await run_rollout(config, paths)
+    await run_rollout(StageContext("rollout", paths, config))
     rows = read_rows(paths, 0)
     assert len(rows) == 4 and all(r["reward"] == pytest.approx(0.5) for r in rows)
 
@@ -218,7 +219,7 @@ async def test_staleness_gate_blocks_until_the_version_arrives(tmp_path: Path, t
     with start_hf_server(tiny_model_dir) as server:
         config, paths = make_run(tmp_path, tiny_model_dir, server.url, "SlowAgent", max_staleness=0, num_steps=2,
                                  wait_timeout_s=120)  # fmt: skip
-        task = asyncio.create_task(run_rollout(config, paths))
+        task = asyncio.create_task(run_rollout(StageContext("rollout", paths, config)))
         deadline = time.monotonic() + 60
         while not paths.step_manifest(0).exists():
             assert time.monotonic() < deadline and not task.done()
@@ -244,7 +245,7 @@ async def test_staleness_timeout_names_the_trainer_and_its_log(tmp_path: Path, t
     config, paths = make_run(tmp_path, tiny_model_dir, engine_url, "SlowAgent", max_staleness=0, num_steps=2,
                              wait_timeout_s=1)  # fmt: skip
     with pytest.raises(WaitTimeout, match=r"weight_version\.json.*train stage.*logs/train/attempt_1\.log"):
-        await run_rollout(config, paths)
+        await run_rollout(StageContext("rollout", paths, config))
     assert paths.complete_steps() == [0]
 
 
@@ -253,7 +254,7 @@ async def test_error_rate_past_the_limit_fails_loudly(tmp_path: Path, tiny_model
 
     config, paths = make_run(tmp_path, tiny_model_dir, engine_url, "AlwaysFails", max_error_rate=0.5)
     with pytest.raises(AgentErrorRate) as info:
-        await run_rollout(config, paths)
+        await run_rollout(StageContext("rollout", paths, config))
     message = str(info.value)
     assert "step 0: 4 of 4 agent runs failed" in message and "error rate 1.00" in message
     assert "KeyError" in message and "no such field" in message, "the last traceback is in the error"

@@ -13,6 +13,7 @@ from pipeline.handoff import read_json
 from pipeline.metrics import read_jsonl
 from pipeline.paths import RunPaths
 from pipeline.shards import read_step
+from pipeline.stage import StageContext
 from pipeline.trainer.loop import run_trainer
 
 FAST = ["trainer.optimizer.lr=0.003", "trainer.wait_timeout_s=5", "rollout.max_staleness=10"]
@@ -35,7 +36,7 @@ def completion_logprob(model_dir: Path, rows: list[dict]) -> list[float]:
 def test_training_raises_logprob_of_rewarded_completions(make_train_run, tiny_model_dir: Path) -> None:
     paths: RunPaths = make_train_run(steps=[0, 1, 2], overrides=[*FAST, "num_steps=3", "trainer.minibatches=2",
                                      "trainer.keep_checkpoints=2"])  # fmt: skip
-    assert run_trainer(paths.root) == 0
+    assert run_trainer(StageContext.from_run_dir("train", paths.root)) == 0
 
     rows = read_step(paths, 0).to_pylist()
     before = completion_logprob(tiny_model_dir, rows)
@@ -66,7 +67,7 @@ def test_checkpoint_loads_with_plain_transformers(make_train_run) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     paths = make_train_run(steps=[0], overrides=[*FAST, "num_steps=1"])
-    run_trainer(paths.root)
+    run_trainer(StageContext.from_run_dir("train", paths.root))
     ckpt = paths.checkpoint_dir(1)
     names = {p.name for p in ckpt.iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "_COMPLETE"} <= names
@@ -81,7 +82,7 @@ def test_checkpoint_loads_with_plain_transformers(make_train_run) -> None:
 def test_missing_step_times_out_naming_manifest_stage_and_log(make_train_run) -> None:
     paths = make_train_run(steps=[], overrides=["trainer.wait_timeout_s=0.3", "num_steps=1"])
     with pytest.raises(WaitTimeout) as err:
-        run_trainer(paths.root)
+        run_trainer(StageContext.from_run_dir("train", paths.root))
     msg = str(err.value)
     assert "trajectories/step_000000/_MANIFEST.json" in msg and "rollout stage" in msg
     assert str(paths.latest_log("rollout")) in msg
@@ -106,7 +107,7 @@ def test_stale_samples_are_dropped_and_counted(make_train_run) -> None:
 def test_metrics_file_is_json_lines(make_train_run) -> None:
     paths = make_train_run(steps=[0], overrides=[*FAST, "num_steps=1", "trainer.algorithm.kl_coef=0.05",
                                                  "trainer.algorithm.loss_agg=sequence"])  # fmt: skip
-    run_trainer(paths.root)
+    run_trainer(StageContext.from_run_dir("train", paths.root))
     lines = paths.train_metrics.read_text().splitlines()
     assert len(lines) == 1
     record = json.loads(lines[0])

@@ -120,13 +120,14 @@ def test_resume_point_needs_checkpoint_and_state(tmp_path: Path) -> None:
 
 def test_rerun_of_a_pruned_version_explains_itself(make_train_run) -> None:
     from pipeline.errors import ArlError
+    from pipeline.stage import StageContext
     from pipeline.trainer.loop import run_trainer
 
     paths = make_train_run(steps=[0], overrides=["num_steps=3"])
     with pytest.raises(ArlError, match="--step 2 needs version 2"):
-        run_trainer(paths.root, step=2)
+        run_trainer(StageContext.from_run_dir("train", paths.root, only_step=2))
     with pytest.raises(ArlError, match="outside the run's steps"):
-        run_trainer(paths.root, step=7)
+        run_trainer(StageContext.from_run_dir("train", paths.root, only_step=7))
 
 
 def _model_dir(tmp_path: Path) -> Path:

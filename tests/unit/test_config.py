@@ -98,3 +98,16 @@ def test_dump_load_round_trip_through_a_run_dir(tmp_path: Path) -> None:
     assert config_from_run_dir(paths.root).trainer.optimizer.betas == (0.9, 0.95)
     with pytest.raises(ConfigError, match="arl launch"):
         config_from_run_dir(tmp_path / "not-a-run")
+
+
+def test_a_replaced_key_tells_the_new_one(tmp_path: Path) -> None:
+    """`rollout.external: bool` became the strategy `rollout.source: agent | external`."""
+    hint = r"rollout\.external.* was replaced: write `rollout\.source: external`"
+    with pytest.raises(ConfigError, match=hint):
+        load_config(None, ["rollout.external=true"])
+    path = tmp_path / "old.yaml"
+    path.write_text("rollout:\n  external: true\n  batch_size: 2\n")
+    with pytest.raises(ConfigError, match=hint):
+        load_config(path)
+    assert load_config(None, ["rollout.source=external"]).rollout.source == "external"
+    assert load_config(None).rollout.source == "agent"

@@ -102,7 +102,7 @@ def test_only_the_trainer_may_span_nodes(tmp_path: Path) -> None:
 
 def test_external_agents_run_the_standalone_proxy_instead_of_rollout(tmp_path: Path) -> None:
     assert stages_for(load_config(None)) == ["inference", "rollout", "train"]
-    assert [p.stage for p in plan_run(load_config(None, ["rollout.external=true"]), tmp_path)] == [
+    assert [p.stage for p in plan_run(load_config(None, ["rollout.source=external"]), tmp_path)] == [
         "inference", "proxy", "train"]  # fmt: skip
 
 
