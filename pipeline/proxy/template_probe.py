@@ -16,12 +16,10 @@ reasoning), number messages, or check role alternation fail them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from pipeline.proxy.errors import ApiError
-
-if TYPE_CHECKING:
-    from pipeline.proxy.tokenize import ChatTokenizer
 
 WINDOW: list[dict[str, Any]] = [{"role": "user", "content": "u"}]
 """What stands for the history when only the end of a conversation is rendered."""
@@ -52,7 +50,21 @@ SUFFIXES: list[list[dict[str, Any]]] = [
 ]
 
 
-def generation_prompt(tok: ChatTokenizer) -> str:
+class Template(Protocol):
+    """What the probes ask of a chat template (`pipeline.proxy.tokenize.ChatTokenizer` provides it; the
+    probes name this Protocol rather than that class so that the two modules do not import each other)."""
+
+    generation_prompt: str
+
+    def render(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict] | None,
+               add_generation_prompt: bool) -> str: ...  # fmt: skip
+
+    def assistant_turn(self, assistant: dict[str, Any]) -> str | None: ...
+
+    def render_after(self, assistant: dict[str, Any], new: Sequence[dict[str, Any]]) -> str | None: ...
+
+
+def generation_prompt(tok: Template) -> str:
     """The text `add_generation_prompt` appends (Qwen: `<|im_start|>assistant\\n`); "" if none is found."""
     try:
         with_prompt = tok.render(WINDOW, None, add_generation_prompt=True)
@@ -62,7 +74,7 @@ def generation_prompt(tok: ChatTokenizer) -> str:
     return with_prompt[len(without) :] if with_prompt.startswith(without) else ""
 
 
-def turn_local(tok: ChatTokenizer) -> bool:
+def turn_local(tok: Template) -> bool:
     """See the module docstring."""
     head = tok.generation_prompt
     if not head:
@@ -80,7 +92,7 @@ def turn_local(tok: ChatTokenizer) -> bool:
     return True
 
 
-def suffix_local(tok: ChatTokenizer) -> bool:
+def suffix_local(tok: Template) -> bool:
     """See the module docstring (only asked of a turn-local template)."""
     try:
         for context, tools in CONTEXTS:

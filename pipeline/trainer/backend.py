@@ -1,11 +1,11 @@
-"""The trainer backend interface and its factory (chosen by `trainer.backend`).
+"""The trainer backend interface (the factory that picks one by `trainer.backend` is `backends.py`).
 
 A backend owns the model, the optimizer and the scheduler, and runs forward/backward passes.
 Everything else is shared and backend-independent: loading and checking the step (`data.py`),
 advantages, packing into micro-batches, the loss (`losses.policy_loss`, called by the backend on
 flat token tensors), HF-layout checkpoints, the trainer state directory, weight publication and
-metrics. A new backend (e.g. megatron, issue #8) implements these few methods and converts its
-weights to Hugging Face names in `hf_state_dict`; see docs/architecture.md "Trainer backend".
+metrics. A new backend (as megatron did) implements these few methods, converts its weights to
+Hugging Face names in `hf_state_dict` and is added to `backends.make_backend`; see docs/trainer.md.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 
     from pipeline.trainer.losses import LossOutput, TokenBatch
     from pipeline.trainer.packing import MicroBatch
-    from schemas.config import ArlConfig
 
 LossFn = Callable[["torch.Tensor", "torch.Tensor | None", "TokenBatch"], "LossOutput"]
 """(log-probs [T], entropy [T] or None, token batch) -> the micro-batch's loss and diagnostics."""
@@ -72,23 +71,3 @@ class TrainBackend(Protocol):
     def close(self) -> None:
         """Release the model, optimizer and process group."""
         ...
-
-
-def make_backend(config: ArlConfig, total_updates: int) -> TrainBackend:
-    """The backend named by `trainer.backend`."""
-    name = config.trainer.backend
-    if name == "torch":
-        from pipeline.trainer.torch_backend import TorchBackend
-
-        return TorchBackend(config, total_updates)
-    if name == "megatron":
-        try:
-            from pipeline.trainer.megatron.backend import MegatronBackend
-        except ImportError as exc:
-            from pipeline.errors import ConfigError
-
-            raise ConfigError(
-                f"trainer.backend=megatron is not available in this install ({exc}); use trainer.backend=torch"
-            ) from exc
-        return MegatronBackend(config, total_updates)  # type: ignore[no-any-return]
-    raise ValueError(f"unknown trainer.backend {name!r}; valid: torch, megatron")

@@ -22,7 +22,8 @@ from pipeline.stage import StageContext
 from pipeline.trainer import checkpoint as ckpt
 from pipeline.trainer import fsdp
 from pipeline.trainer.advantages import compute_advantages
-from pipeline.trainer.backend import MinibatchStats, make_backend
+from pipeline.trainer.backend import MinibatchStats
+from pipeline.trainer.backends import make_backend
 from pipeline.trainer.data import StepData, load_step
 from pipeline.trainer.losses import LossOutput, TokenBatch, policy_loss
 from pipeline.trainer.metrics import Timings, open_sinks, peak_flops, step_metrics
