@@ -44,18 +44,20 @@ class StageContext:
 
 
 def open_stage(name: StageName, run_dir: Path, step: int | None = None) -> StageContext:
-    """The stage preamble: attempt number, rank-aware log file, logging, then the frozen config.
+    """The stage preamble: the frozen config, attempt number, rank-aware log file and logging.
 
-    Logging starts before the config is read so that a bad config is in the attempt's log too.
+    The config is read first: a directory that is not a run dir is refused before a `logs/` is
+    created in it (under `arl launch` the error reaches the attempt log through stderr anyway).
     """
     paths = RunPaths(Path(run_dir))
+    config = config_from_run_dir(paths.root)
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("ARL_ATTEMPT", "0")) or paths.next_attempt(name)
     setup_logging(name, stage_log_file(paths, name, attempt, rank))
     if step is not None and name == "inference":
         logging.getLogger("arl").info("--step %d ignored: the inference stage serves every step", step)
         step = None
-    return StageContext.from_run_dir(name, paths.root, only_step=step, attempt=attempt, rank=rank)
+    return StageContext(name, paths, config, attempt=attempt, only_step=step, rank=rank)
 
 
 def stage_log_file(paths: RunPaths, name: str, attempt: int, rank: int) -> Path:

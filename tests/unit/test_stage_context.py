@@ -74,4 +74,7 @@ def test_inference_ignores_step(tmp_path: Path) -> None:
 def test_a_dir_without_config_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no config at"):
         StageContext.from_run_dir("train", tmp_path)
+    with pytest.raises(ConfigError, match="no config at"):
+        open_stage("train", tmp_path / "typo")
+    assert not (tmp_path / "typo").exists(), "a wrong --run-dir gets no logs/ created in it"
     assert StageContext.from_run_dir("proxy", _run_dir(tmp_path).root, only_step=1).only_step == 1
