@@ -73,15 +73,12 @@ class Stack:
 
 
 ENGINE_WITH_KEEP_ALIVE = """
-import sys, uvicorn
-from pipeline.engine.hf_server import HFServer, HFServerConfig
+import sys
+from pipeline.engine.server.hf import serve_hf
+from pipeline.engine.server.hf_engine import HFEngineConfig
 model, port, keep_alive = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-server = HFServer(HFServerConfig(model_path=model, device="cpu", max_batch_size=64))
-server.start()
-try:
-    uvicorn.run(server.app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=keep_alive)
-finally:
-    server.stop()
+serve_hf(HFEngineConfig(model_path=model, device="cpu", max_batch_size=64), host="127.0.0.1", port=port,
+         timeout_keep_alive=keep_alive)
 """
 
 
@@ -89,13 +86,13 @@ def start_engine(model_dir: str | Path, log_path: Path, *, port: int | None = No
                  keep_alive_s: float | None = None) -> tuple[str, subprocess.Popen[bytes]]:  # fmt: skip
     """A real `hf` server subprocess on loopback; returns (url, process) once it answers /health.
 
-    `keep_alive_s` serves the same `HFServer` app with another HTTP keep-alive than uvicorn's 5 s
+    `keep_alive_s` serves the same `hf` app with another HTTP keep-alive than uvicorn's 5 s
     (see `test_a_request_after_the_servers_keep_alive_expired_is_not_lost` for why that matters).
     """
     port = port or free_port()
     log = open(log_path, "ab")  # noqa: SIM115 - the child writes to it for its lifetime
     if keep_alive_s is None:
-        argv = [sys.executable, "-m", "pipeline.engine.hf_server", "--model-path", str(model_dir), "--port", str(port),
+        argv = [sys.executable, "-m", "pipeline.engine.server.hf", "--model-path", str(model_dir), "--port", str(port),
                 "--device", "cpu", "--max-batch-size", "64"]  # fmt: skip
     else:
         argv = [sys.executable, "-c", ENGINE_WITH_KEEP_ALIVE, str(model_dir), str(port), str(keep_alive_s)]

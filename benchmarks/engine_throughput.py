@@ -3,7 +3,7 @@
 Work: R requests with prompts of 8–40 tokens (fixed seed), each generating exactly T tokens
 (`ignore_eos`), temperature 1, logprobs returned. For each concurrency C in (1, 8, 32):
 
-* server: an `hf` server in its own process (`python -m pipeline.engine.hf_server`, CPU, fp32,
+* server: an `hf` server in its own process (`python -m pipeline.engine.server.hf`, CPU, fp32,
   max batch 64), driven over HTTP by `EngineClient` with at most C requests in flight;
 * ceiling: `model.generate` in this process on the same prompts in batches of C (left-padded),
   `min_new_tokens = max_new_tokens = T`, sampling, scores kept (the engine computes logprobs too);
@@ -137,14 +137,14 @@ def bench_hf(
 
     Pairing keeps the ratio honest on a shared machine whose background load drifts over minutes.
     """
-    from pipeline.engine.testing import free_port
+    from pipeline.engine.net import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [
         sys.executable,
         "-m",
-        "pipeline.engine.hf_server",
+        "pipeline.engine.server.hf",
         "--model-path",
         str(model_dir),
         "--port",
@@ -173,8 +173,8 @@ def bench_vllm(model_dir: Path, prompts: list[list[int]], tokens: int, workdir: 
         print("vLLM: .vllm-venv absent (scripts/vllm_venv.sh builds it); skipped")
         return None
     from pipeline.config import load_config
-    from pipeline.engine.testing import free_port
-    from pipeline.engine.vllm_backend import vllm_procs
+    from pipeline.engine.net import free_port
+    from pipeline.engine.server.procs import vllm_procs
 
     port = free_port()
     config = load_config(

@@ -1,6 +1,6 @@
 """Load: many concurrent agent sessions × multi-turn tool use through one proxy and the `hf` engine.
 
-Three kinds of process on this machine: the `hf` engine (`python -m pipeline.engine.hf_server`,
+Three kinds of process on this machine: the `hf` engine (`python -m pipeline.engine.server.hf`,
 the tiny model), one proxy (`benchmarks/_proxy_stack.py`: `ProxyServer` as the stages run it)
 and this load generator, whose agents use the real OpenAI SDK. Each session runs `--turns` calls
 with a calculator tool; after a call the agent appends the assistant message and a tool result

@@ -36,6 +36,7 @@ def make_train_run(tmp_path: Path, tiny_model_dir: Path):  # type: ignore[no-unt
     from pipeline.paths import RunPaths
     from pipeline.shards import write_step
     from pipeline.trainer.synthetic import add_behaviour_logprobs, synthetic_rows
+    from schemas.trajectory import rows_from_dicts
 
     def make(steps: list[int] = [0], overrides: list[str] = [], name: str = "run", **rows_kw):  # noqa: B006
         config = load_config(None, [f"fileroot={tmp_path}", "experiment_name=x", f"trial_name={name}",
@@ -44,7 +45,7 @@ def make_train_run(tmp_path: Path, tiny_model_dir: Path):  # type: ignore[no-unt
         write_text_atomic(paths.config, dump_config(config))
         for step in steps:
             rows = add_behaviour_logprobs(synthetic_rows(step, **rows_kw), tiny_model_dir)
-            write_step(paths, step, rows, producer="rollout", tokenizer=str(tiny_model_dir))
+            write_step(paths, step, rows_from_dicts(rows), producer="rollout", tokenizer=str(tiny_model_dir))
         return paths
 
     return make
@@ -108,7 +109,7 @@ def scripted_llama_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFa
 @pytest.fixture(scope="session")
 def hf_engine_url():  # type: ignore[no-untyped-def]
     """Factory: the URL of a real `hf` engine server for a model dir, started once per session and model."""
-    from pipeline.engine.testing import start_hf_server
+    from pipeline.engine.server.hf import start_hf_server
 
     handles: dict[str, object] = {}
 

@@ -1,1 +1,7 @@
-"""Inference engines: the embedded `hf` server, the engine client, and the vLLM / SGLang launchers."""
+"""Inference engines and the protocol between them and the rest of arl (docs/inference.md).
+
+* `client/`: the engine client, imported by the proxy, the rollout and the trainer;
+* `server/`: the SGLang-protocol app, the `hf` and vLLM backends, and the inference stage;
+* shared by both sides: `registry.py` (the registry files the stage writes and clients read),
+  `weight_group.py` (both ends of the weight-broadcast group), `tokens.py`, `net.py`.
+"""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.engine.client import EngineClient, EngineError, GenerateResult
-from pipeline.engine.protocol import TopEntry
+from pipeline.engine.tokens import TopEntry
 from pipeline.proxy.errors import ApiError, bad_request
 from pipeline.proxy.messages import Message, MessageKey, message_key, tool_call, tools_key
 from pipeline.proxy.parsers import TOOL_PARSERS, Event, OutputParser, Parsed, collect, parse_text

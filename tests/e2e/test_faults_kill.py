@@ -265,7 +265,7 @@ def run_to_completion(name: str, paths: RunPaths, log: Path, timeout: float = 40
 
 # -- the trials ----------------------------------------------------------------------------------
 def test_rollout_killed_at_random_points(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from pipeline.engine.testing import start_hf_server
+    from pipeline.engine.server.hf import start_hf_server
 
     rng = random.Random(20261122)
     with start_hf_server(tiny_model_dir) as engine:

@@ -33,7 +33,7 @@ CLIENT_KEY = "ck-spool-test"
 
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_dir: Path) -> Iterator[str]:
-    from pipeline.engine.testing import start_hf_server
+    from pipeline.engine.server.hf import start_hf_server
 
     with start_hf_server(tiny_model_dir) as handle:
         yield handle.url

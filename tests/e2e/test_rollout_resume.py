@@ -47,7 +47,7 @@ ARL = str(Path(sys.executable).with_name("arl"))
 
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_dir: Path) -> Iterator[str]:
-    from pipeline.engine.testing import start_hf_server
+    from pipeline.engine.server.hf import start_hf_server
 
     with start_hf_server(tiny_model_dir) as handle:
         yield handle.url

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.engine.client import EngineClient, EngineError
+from pipeline.engine.net import free_port
 from pipeline.engine.registry import remove_entry, urls_from_registry, write_entry
-from pipeline.engine.testing import ServerHandle, free_port, start_hf_server
+from pipeline.engine.server.hf import ServerHandle, start_hf_server
 from pipeline.paths import RunPaths
 from schemas.engine_api import InferenceEntry
 

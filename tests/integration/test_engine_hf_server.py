@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from pipeline.engine.testing import ServerHandle, start_hf_server
+from pipeline.engine.server.hf import ServerHandle, start_hf_server
 
 
 @pytest.fixture(scope="module")

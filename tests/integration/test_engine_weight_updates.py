@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from pipeline.engine.client import EngineClient, EngineError
-from pipeline.engine.testing import ServerHandle, free_port, start_hf_server
+from pipeline.engine.net import free_port
+from pipeline.engine.server.hf import ServerHandle, start_hf_server
 from pipeline.engine.weight_group import broadcast_from_trainer, dtype_name, init_weight_group
 
 
@@ -141,7 +142,7 @@ def subprocess_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
         [
             sys.executable,
             "-m",
-            "pipeline.engine.hf_server",
+            "pipeline.engine.server.hf",
             "--model-path",
             str(tiny_model_dir),
             "--port",

@@ -131,7 +131,7 @@ def test_a_stream_cut_by_a_server_kill_fails_with_an_engine_error(killed_mid_req
 
 
 async def test_a_request_after_the_servers_keep_alive_expired_is_not_lost(tiny_model_dir: Path) -> None:
-    from pipeline.engine.testing import start_hf_server
+    from pipeline.engine.server.hf import start_hf_server
 
     with start_hf_server(tiny_model_dir) as server:
         async with EngineClient([server.url], health_interval_s=0) as client:

@@ -63,7 +63,7 @@ def protocol_schema() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> Iterator[str]:
-    from pipeline.engine.testing import start_hf_server
+    from pipeline.engine.server.hf import start_hf_server
 
     with start_hf_server(tiny_model_dir, max_context=64, weight_group_timeout_s=2.0) as handle:
         yield handle.url

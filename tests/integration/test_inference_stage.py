@@ -17,8 +17,8 @@ import pytest
 
 from pipeline.config import dump_config, load_config
 from pipeline.engine.client import EngineClient
-from pipeline.engine.server.launch import ServerDied, initial_weights, run_inference
 from pipeline.engine.registry import read_entries, urls_from_registry
+from pipeline.engine.server.launch import ServerDied, initial_weights, run_inference
 from pipeline.errors import WaitTimeout
 from pipeline.handoff import write_json_atomic, write_text_atomic
 from pipeline.paths import COMPLETE, RunPaths

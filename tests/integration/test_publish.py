@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from pipeline.engine.client import EngineClient, EngineError
+from pipeline.engine.net import free_port
 from pipeline.engine.registry import write_entry
-from pipeline.engine.testing import ServerHandle, free_port, start_hf_server
+from pipeline.engine.server.hf import ServerHandle, start_hf_server
 from pipeline.handoff import read_json
 from pipeline.paths import RunPaths
 from pipeline.stage import StageContext

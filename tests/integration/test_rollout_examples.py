@@ -33,7 +33,7 @@ def test_calculator_is_safe_and_right() -> None:
 
 async def test_tool_agent_example_step(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from pipeline.engine.registry import write_entry
-    from pipeline.engine.testing import start_hf_server
+    from pipeline.engine.server.hf import start_hf_server
     from pipeline.rollout.loop import run_rollout
     from pipeline.shards import read_step
     from schemas.engine_api import InferenceEntry

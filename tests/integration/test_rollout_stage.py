@@ -99,7 +99,7 @@ class SlowAgent:
 
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_dir: Path) -> Iterator[str]:
-    from pipeline.engine.testing import start_hf_server
+    from pipeline.engine.server.hf import start_hf_server
 
     with start_hf_server(tiny_model_dir) as handle:
         yield handle.url
@@ -213,7 +213,7 @@ async def test_staleness_gate_blocks_until_the_version_arrives(tmp_path: Path, t
     """Step 1 with max_staleness 0 needs version 1 from both the trainer's file and the engines."""
     import httpx
 
-    from pipeline.engine.testing import start_hf_server
+    from pipeline.engine.server.hf import start_hf_server
     from pipeline.rollout.loop import run_rollout
 
     with start_hf_server(tiny_model_dir) as server:

@@ -19,9 +19,8 @@ import torch
 
 from pipeline.config import load_config
 from pipeline.engine.client import EngineClient, EngineError
-from pipeline.engine.servers import ProcSpec
-from pipeline.engine.testing import free_port
-from pipeline.engine.vllm_backend import vllm_procs, vllm_venv_python
+from pipeline.engine.net import free_port
+from pipeline.engine.server.procs import ProcSpec, vllm_procs, vllm_venv_python
 from pipeline.engine.weight_group import broadcast_from_trainer, dtype_name, init_weight_group
 
 pytestmark = [

@@ -5,15 +5,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.engine.kvbatch import KVBatch
-from pipeline.engine.protocol import Limits, RequestError, expand, finish_text, response, splice_top, stop_token_ids
-from pipeline.engine.wire import (
+from pipeline.engine.client.wire import (
     EngineError,
     StreamState,
     chunk_from,
     parse_finish_reason,
     parse_weight_version,
     result_from,
+)
+from pipeline.engine.server.kvbatch import KVBatch
+from pipeline.engine.server.requests import (
+    Limits,
+    RequestError,
+    expand,
+    finish_text,
+    response,
+    splice_top,
+    stop_token_ids,
 )
 from schemas.engine_api import GenerateReqInput, InitWeightsUpdateGroupReqInput, SamplingParams
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.engine.protocol import WorkItem
-from pipeline.engine.vllm_wire import choice_tokens, choice_top, completion_body, finish_reason
+from pipeline.engine.server.requests import WorkItem
+from pipeline.engine.server.vllm_wire import choice_tokens, choice_top, completion_body, finish_reason
 from schemas.engine_api import SamplingParams
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 
-from pipeline.engine.wire import EngineError, json_or_text, parse_weight_version, raise_for_status
+from pipeline.engine.client.wire import EngineError, json_or_text, parse_weight_version, raise_for_status
 
 _ADMIN_TIMEOUT_S = 600.0  # weight loads can be slow on a big model
 _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, ConnectionError)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.engine.protocol import TopEntry, WorkItem
+from pipeline.engine.server.requests import WorkItem
+from pipeline.engine.tokens import TopEntry
 
 _TOKEN_PREFIX = "token_id:"
 

@@ -32,8 +32,8 @@ from typing import Any
 
 import aiohttp
 
-from pipeline.engine.client_admin import AdminCalls
-from pipeline.engine.wire import (
+from pipeline.engine.client.admin import AdminCalls
+from pipeline.engine.client.wire import (
     EngineError,
     GenerateChunk,
     GenerateResult,
@@ -42,21 +42,10 @@ from pipeline.engine.wire import (
     check_single,
     check_top,
     chunk_from,
-    parse_finish_reason,
-    parse_weight_version,
     raise_for_status,
     result_from,
     sse_payloads,
 )
-
-__all__ = [
-    "EngineClient",
-    "EngineError",
-    "GenerateChunk",
-    "GenerateResult",
-    "parse_finish_reason",
-    "parse_weight_version",
-]
 
 log = logging.getLogger("arl.engine.client")
 
@@ -160,14 +149,7 @@ class EngineClient(AdminCalls):
             try:
                 data = await self._tracked(server, body["rid"], self._post_generate(server.url, body))
             except Retryable as exc:
-                self._mark_down(server, str(exc))
-                if sticky_key is not None:
-                    self._sticky.pop(sticky_key, None)
-                if self._pick_or_none(sticky_key, exclude=tried) is None:
-                    raise EngineError(
-                        f"every inference server failed for this request; tried {tried}: {exc}", server=server.url
-                    ) from exc
-                log.warning("server %s failed (%s); retrying on another server", server.url, exc)
+                self._fail_over(server, sticky_key, tried, exc, streamed=None)
                 continue
             return result_from(data, server.url, top_logprobs_num)
 
@@ -197,14 +179,7 @@ class EngineClient(AdminCalls):
                     yield chunk
                 return
             except Retryable as exc:
-                self._mark_down(server, str(exc))
-                if sticky_key is not None:
-                    self._sticky.pop(sticky_key, None)
-                if state.ids or self._pick_or_none(sticky_key, exclude=tried) is None:
-                    raise EngineError(
-                        f"stream from {server.url} failed after {len(state.ids)} tokens: {exc}", server=server.url
-                    ) from exc
-                log.warning("server %s failed before streaming (%s); retrying elsewhere", server.url, exc)
+                self._fail_over(server, sticky_key, tried, exc, streamed=len(state.ids))
             finally:
                 # The caller may stop iterating early: close the inner stream now so it aborts the
                 # request on the server instead of whenever the generator is garbage collected.
@@ -326,9 +301,26 @@ class EngineClient(AdminCalls):
             return None
         return min(pool, key=lambda s: s.inflight)
 
-    def _mark_down(self, server: _Server, error: str) -> None:
+    def _fail_over(
+        self, server: _Server, sticky_key: str | None, tried: list[str], exc: Retryable, *, streamed: int | None
+    ) -> None:
+        """Mark `server` down after a connection-level failure; raise unless the request may go elsewhere.
+
+        `streamed`: tokens a stream already delivered (None: not a stream). Such a stream is never
+        restarted: a restart elsewhere would produce a different continuation of tokens the caller has.
+        """
         server.healthy = False
-        server.last_error = error
+        server.last_error = str(exc)
+        if sticky_key is not None:
+            self._sticky.pop(sticky_key, None)
+        if streamed or self._pick_or_none(sticky_key, exclude=tried) is None:
+            message = (
+                f"every inference server failed for this request; tried {tried}: {exc}"
+                if streamed is None
+                else f"stream from {server.url} failed after {streamed} tokens: {exc}"
+            )
+            raise EngineError(message, server=server.url) from exc
+        log.warning("server %s failed (%s); retrying on another server", server.url, exc)
 
     def _refresh_urls(self) -> None:
         source = self._url_source

@@ -32,10 +32,12 @@ from typing import IO, Any
 
 import httpx
 
+from pipeline.engine.net import free_port, port_is_free, public_host
 from pipeline.engine.registry import remove_entry, write_entry
-from pipeline.engine.servers import ProcSpec, server_procs
+from pipeline.engine.server.procs import ProcSpec, server_procs
 from pipeline.errors import ArlError, WaitTimeout
 from pipeline.paths import RunPaths
+from pipeline.stage import StageContext
 from schemas.config import ArlConfig
 from schemas.engine_api import InferenceEntry
 
@@ -76,9 +78,9 @@ def initial_weights(paths: RunPaths, config: ArlConfig) -> tuple[str, int]:
     return config.model.path, 0
 
 
-def run_inference(run_dir: Path, config: ArlConfig, *, attempt: int, stop: threading.Event | None = None) -> int:
-    """Run the stage until stopped (signal or `stop`); returns the exit code."""
-    paths = RunPaths(run_dir)
+def run_inference(ctx: StageContext, *, stop: threading.Event | None = None) -> int:
+    """The `inference` stage: run until stopped (signal or `stop`, for embedders); returns the exit code."""
+    paths, config, attempt = ctx.paths, ctx.config, ctx.attempt
     stop = stop or threading.Event()
     model_path, version = initial_weights(paths, config)
     log.info(
@@ -112,9 +114,9 @@ def _ports(config: ArlConfig) -> list[int]:
     ports: list[int] = []
     candidate = inf.port
     while len(ports) < inf.num_servers:
-        port = _free_port(inf.host) if inf.port == 0 else candidate
+        port = free_port(inf.host) if inf.port == 0 else candidate
         candidate += 1
-        if port not in ports and _port_is_free(inf.host, port):
+        if port not in ports and port_is_free(inf.host, port):
             ports.append(port)
         if candidate > 65535:
             raise ArlError(f"no free ports from {inf.port} upwards on {inf.host} for {inf.num_servers} servers")
@@ -125,8 +127,7 @@ def _start(
     paths: RunPaths, config: ArlConfig, index: int, port: int, model_path: str, version: int, attempt: int
 ) -> RunningServer:
     inf = config.inference
-    public_host = _public_host(inf.host)
-    url = f"http://{public_host}:{port}"
+    url = f"http://{public_host(inf.host)}:{port}"
     log_path = paths.stage_logs("inference") / f"server-{index}.attempt_{attempt}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     specs = server_procs(config, host=inf.host, port=port, model_path=model_path, version=version)
@@ -292,28 +293,6 @@ def _install_signal_handlers(stop: threading.Event) -> Any:
     for sig in previous:
         signal.signal(sig, handler)
     return lambda: [signal.signal(sig, old) for sig, old in previous.items()]
-
-
-def _public_host(host: str) -> str:
-    """The host other nodes use to reach a server bound to `host`."""
-    if host in ("0.0.0.0", "::", ""):
-        return socket.gethostname()
-    return host
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host if host not in ("", "::") else "0.0.0.0", 0))
-        return int(sock.getsockname()[1])
-
-
-def _port_is_free(host: str, port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind((host if host not in ("", "::") else "0.0.0.0", port))
-        except OSError:
-            return False
-    return True
 
 
 def _tail(path: Path, lines: int = 20) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 
-from pipeline.engine.protocol import TopEntry
+from pipeline.engine.tokens import TopEntry
 
 
 @dataclass

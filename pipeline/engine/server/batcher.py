@@ -30,23 +30,12 @@ from typing import Any
 
 import torch
 
-from pipeline.engine.kvbatch import KVBatch, cache_tensors, dynamic_cache, left_pad
-from pipeline.engine.protocol import TopEntry
-from pipeline.engine.sampling import RowSampling, sample_batch
+from pipeline.engine.server.backend import Progress
+from pipeline.engine.server.kvbatch import KVBatch, cache_tensors, dynamic_cache, left_pad
+from pipeline.engine.server.sampling import RowSampling, sample_batch
+from pipeline.engine.tokens import TopEntry
 
 log = logging.getLogger("arl.engine.batcher")
-
-
-@dataclass
-class Progress:
-    """Tokens a request produced since its previous event (delivered on the request's event loop)."""
-
-    new_ids: list[int]
-    new_logprobs: list[float]
-    weight_version: int
-    finish: dict[str, Any] | None = None
-    new_top: list[TopEntry] = field(default_factory=list)
-    """Top logprobs of the new tokens (empty unless the request set `top_logprobs_num`)."""
 
 
 @dataclass

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.engine.protocol import TopEntry
+from pipeline.engine.tokens import TopEntry
 
 GREEDY_EPS = 1e-6
 

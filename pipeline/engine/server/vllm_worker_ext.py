@@ -7,7 +7,7 @@ Loaded *inside vLLM's workers* (vLLM's own venv), so it imports only the standar
 
 Why the extra step after each load: with tied embeddings the CPU build keeps a pre-packed copy of
 the output layer; without re-running its `process_weights_after_loading`, generation would keep
-using the old `lm_head` (measured; see shared/notes/ml-stack.md).
+using the old `lm_head` (measured; docs/inference.md, "vLLM").
 """
 
 from __future__ import annotations
@@ -44,19 +44,30 @@ class ArlWorkerExtension:
         )
         return f"rank {rank} joined {args['group_name']}"
 
+    def arl_destroy_group(self, group_name: str) -> str:
+        """Leave (destroy) a broadcast group joined with `arl_init_group`."""
+        from pipeline.engine.weight_group import destroy_weight_group
+
+        destroy_weight_group(self._arl_group(group_name))
+        del self.__dict__["_arl_groups"][group_name]
+        return f"rank {self.rank} left {group_name}"
+
     def arl_receive(self, spec: str) -> str:
         """Receive named tensors from rank 0 of the group and load them in place."""
         from pipeline.engine.weight_group import receive_from_trainer
 
         args = json.loads(spec)
-        group = self.__dict__.get("_arl_groups", {}).get(args["group_name"])
-        if group is None:
-            raise ValueError(f"no weight update group {args['group_name']!r} on worker {self.rank}")
         device = "cpu" if args.get("backend") == "gloo" else self.device
-        tensors = receive_from_trainer(group, args["dtypes"], args["shapes"], device)
+        tensors = receive_from_trainer(self._arl_group(args["group_name"]), args["dtypes"], args["shapes"], device)
         self.model_runner.reload_weights(weights_iterator=list(zip(args["names"], tensors, strict=True)))
         self._arl_after_load()
         return f"rank {self.rank}: received {len(tensors)} tensors"
+
+    def _arl_group(self, name: str) -> Any:
+        group = self.__dict__.get("_arl_groups", {}).get(name)
+        if group is None:
+            raise ValueError(f"no weight update group {name!r} on worker {self.rank}")
+        return group
 
     def _arl_after_load(self) -> None:
         model = self.model_runner.get_model()

@@ -2,7 +2,7 @@
 
 Everything here is pure (no model, no HTTP), so the validation rules are unit-tested directly:
 a request the engine cannot serve is refused here with a message naming the field and the value,
-before anything reaches the scheduler.
+before anything reaches a backend. Shapes and rules: docs/inference.md, "POST /generate".
 """
 
 from __future__ import annotations
@@ -13,11 +13,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from pipeline.engine.tokens import TopEntry
 from schemas.engine_api import GenerateReqInput, SamplingParams
 
 
 class RequestError(ValueError):
-    """The request is malformed or cannot be served (answered with HTTP 400)."""
+    """The request is malformed or cannot be served: the caller's error, answered with HTTP 400.
+
+    Raised by the app's body parsing and by backends alike; the app picks the error body by the route
+    (`/generate`: `{"error": {...}}`, admin routes: SGLang's `{"success": false, "message"}`).
+    """
 
 
 @dataclass
@@ -31,10 +36,6 @@ class WorkItem:
     return_logprob: bool
     top_logprobs_num: int = 0
     """k most likely tokens per output position (`meta_info.output_top_logprobs`); 0 = none, no cost."""
-
-
-TopEntry = list[tuple[float, int]]
-"""The top logprobs of one output position: (logprob, token id), most likely first."""
 
 
 @dataclass

@@ -1,0 +1,116 @@
+"""What a backend gives the engine's HTTP app (`app.py`): the `EngineBackend` Protocol.
+
+The app owns the protocol (routes, body parsing, error bodies, response shapes; docs/inference.md);
+a backend only generates tokens and carries out control and weight-update commands. Two implement
+it: `hf_engine.HFEngine` (a transformers model in this process) and `vllm_adapter.VLLMAdapter`
+(a vLLM server behind us).
+
+Errors: a backend raises `requests.RequestError` when the caller's input cannot be served (the app
+answers 400); anything else is a failure (500, or 502 for an adapter: see `failure_status`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pipeline.engine.server.requests import Limits, WorkItem
+from pipeline.engine.tokens import TopEntry
+from schemas.engine_api import InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput
+
+
+@dataclass
+class Progress:
+    """Tokens a completion produced since its previous event."""
+
+    new_ids: list[int]
+    new_logprobs: list[float]
+    weight_version: int
+    """The weights that produced these tokens (streamed chunks carry it)."""
+    finish: dict[str, Any] | None = None
+    """SGLang's `finish_reason` on the last event of a completion, else None."""
+    new_top: list[TopEntry] = field(default_factory=list)
+    """Top logprobs of the new tokens (empty unless the request set `top_logprobs_num`)."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """The outcome of a health check or a cache flush."""
+
+    ok: bool
+    message: str | None = None
+    """Health: why it is not ok (None: no reason known: the answer is a bare 503). Flush: the answer's text."""
+
+
+class EngineBackend(Protocol):
+    """A token generator with SGLang's control and weight-update commands (see the module docstring)."""
+
+    limits: Limits
+    """Vocabulary size and context length, which every prompt is checked against."""
+    tokenizer: Any
+    """Turns `text` prompts into ids and output ids into `text`."""
+    requests_total: int
+    """`/generate` calls so far (the app counts them; `hf` reports them in its server info)."""
+    incremental_stream: bool
+    """Streams send deltas instead of SGLang's default cumulative events."""
+    failure_status: int
+    """HTTP status of an unexpected error: 500 for an engine that failed itself, 502 for an adapter,
+    whose unexpected errors are its upstream's."""
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights new tokens come from."""
+        ...
+
+    def generate(self, item: WorkItem, *, stream: bool) -> AsyncGenerator[Progress, None]:
+        """The progress of one completion, ending with the event that carries its `finish`.
+
+        `stream` says whether the caller streams (a backend may ask its upstream for one answer
+        instead). Closing the iterator early (the client went away) aborts the completion.
+        """
+        ...
+
+    async def health(self, *, generate: bool) -> Check:
+        """Whether the backend serves (`generate`: also that a 1-token generation finishes)."""
+        ...
+
+    async def abort(self, rid: str | None, message: str) -> None:
+        """End the completion `rid` (and its `n` > 1 samples `<rid>_<i>`), or every one if None."""
+        ...
+
+    async def pause(self, mode: str) -> str:
+        """Hold generation (`mode`: abort, in_place or retract); returns the answer's message."""
+        ...
+
+    async def resume(self) -> None:
+        """Undo `pause`."""
+        ...
+
+    async def flush_cache(self) -> Check:
+        """Drop the prefix cache."""
+        ...
+
+    async def update_from_disk(self, model_path: str, version: int | None, abort_all: bool) -> str:
+        """Load the weights of a Hugging Face directory; returns the answer's message."""
+        ...
+
+    async def join_group(self, body: InitWeightsUpdateGroupReqInput) -> str:
+        """Join the trainer's weight-broadcast group (blocks until every rank has joined)."""
+        ...
+
+    async def update_from_group(self, body: UpdateWeightsFromDistributedReqInput, version: int | None) -> str:
+        """Receive named tensors broadcast by the group's rank 0 and load them."""
+        ...
+
+    async def leave_group(self, group_name: str) -> str:
+        """Leave (destroy) a weight-broadcast group."""
+        ...
+
+    def model_info(self) -> dict[str, Any]:
+        """The body of `/get_model_info`."""
+        ...
+
+    def server_info(self) -> dict[str, Any]:
+        """The body of `/get_server_info`."""
+        ...

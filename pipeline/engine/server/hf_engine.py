@@ -1,0 +1,200 @@
+"""The `hf` backend: a transformers model and its scheduler thread, behind the engine app (`app.py`).
+
+The model lives in the scheduler thread (`batcher.py`); the backend methods only enqueue work and
+await its events, so a long forward pass never stalls the event loop. Weight updates are in
+`hf_weights.py`; serving it (a process, or in this one) in `hf.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.engine.server.backend import Check, Progress
+from pipeline.engine.server.batcher import GenRequest, Scheduler
+from pipeline.engine.server.hf_weights import WeightUpdates
+from pipeline.engine.server.requests import Limits, WorkItem, stop_token_ids
+from pipeline.engine.server.sampling import RowSampling
+from pipeline.engine.server.weights import eos_token_ids, load_model, load_tokenizer, resolve_device
+from schemas.engine_api import SamplingParams
+
+_HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+@dataclass
+class HFEngineConfig:
+    model_path: str
+    tokenizer_path: str | None = None
+    device: str = "auto"
+    dtype: str = "float32"
+    max_batch_size: int = 64
+    max_context: int | None = None
+    """Prompt + completion limit; None = the model's `max_position_embeddings`."""
+    weight_version: int = 0
+    return_original_logprob: bool = False
+    """Unscaled logprobs even when temperature != 1 (SGLang's SGLANG_RETURN_ORIGINAL_LOGPROB)."""
+    incremental_streaming_output: bool = False
+    """Stream deltas instead of SGLang's default cumulative `output_ids` / `text` (its flag of the same name)."""
+    seed: int | None = None
+    weight_group_timeout_s: float = 600.0
+
+
+class HFEngine(WeightUpdates):
+    """The model and its scheduler, as an `EngineBackend`; `start()` before serving, `stop()` after."""
+
+    failure_status = 500
+
+    def __init__(self, config: HFEngineConfig) -> None:
+        self.config = config
+        self.model_path = config.model_path
+        self.device = resolve_device(config.device)
+        self.model = load_model(config.model_path, device=self.device, dtype=config.dtype)
+        self.tokenizer = load_tokenizer(config.tokenizer_path or config.model_path)
+        self.eos_ids = eos_token_ids(self.model, self.tokenizer)
+        model_max = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
+        self.limits = Limits(int(self.model.config.vocab_size), min(config.max_context or model_max, model_max))
+        original = config.return_original_logprob or _env_flag("SGLANG_RETURN_ORIGINAL_LOGPROB")
+        self.scheduler = Scheduler(
+            self.model,
+            self.tokenizer,
+            max_batch_size=config.max_batch_size,
+            max_context=self.limits.max_context,
+            eos_ids=self.eos_ids,
+            weight_version=config.weight_version,
+            return_original_logprob=original,
+            seed=config.seed,
+        )
+        self.weight_groups: dict[str, Any] = {}
+        self.incremental_stream = config.incremental_streaming_output
+        self.requests_total = 0
+        self.started_at = time.time()
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+    @property
+    def weight_version(self) -> int:
+        return self.scheduler.weight_version
+
+    # -- generation -------------------------------------------------------------------------
+    async def generate(self, item: WorkItem, *, stream: bool) -> AsyncGenerator[Progress, None]:
+        """The scheduler's events for `item` (streamed or not: the same); aborts it if closed early."""
+        params = item.params
+        queue: asyncio.Queue[Progress] = asyncio.Queue()
+        top_k = item.top_logprobs_num if item.return_logprob else 0  # zero: no top-k work for this row
+        sampling = RowSampling(
+            params.temperature, params.top_p, params.top_k, params.min_p, self._seeded(params), top_k
+        )
+        request = GenRequest(
+            rid=item.rid,
+            input_ids=item.input_ids,
+            max_new_tokens=item.max_new_tokens,
+            sampling=sampling,
+            stop_token_ids=stop_token_ids(params, self.eos_ids),
+            stop_strings=params.stop_strings(),
+            loop=asyncio.get_running_loop(),
+            events=queue,
+        )
+        self.scheduler.submit(request)
+        finished = False
+        try:
+            while not finished:
+                event = await queue.get()
+                finished = event.finish is not None
+                yield event
+        finally:
+            if not finished:
+                self.scheduler.call(lambda: self.scheduler.abort(item.rid, "client went away"))
+
+    def _seeded(self, params: SamplingParams) -> Any:
+        """A generator for the request's own `sampling_seed` (reproducible sampling), else None."""
+        if params.sampling_seed is None:
+            return None
+        import torch
+
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(int(params.sampling_seed))
+        return generator
+
+    async def health(self, *, generate: bool) -> Check:
+        if not self.scheduler.alive:
+            return Check(False, f"engine scheduler is not running: {self.scheduler.error}")
+        if not generate or self.scheduler.paused is not None:
+            return Check(True)  # paused on purpose: a generation would wait for /continue_generation
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        item = WorkItem(f"health-{time.monotonic_ns()}", [self.scheduler.pad_id], params, 1, False)
+        try:
+            await asyncio.wait_for(_drain(self.generate(item, stream=False)), timeout=_HEALTH_GENERATE_TIMEOUT_S)
+        except TimeoutError:
+            return Check(False, f"a 1-token generation did not finish within {_HEALTH_GENERATE_TIMEOUT_S:.0f} s")
+        return Check(True)
+
+    # -- control ----------------------------------------------------------------------------
+    async def abort(self, rid: str | None, message: str) -> None:
+        await self._on_scheduler(lambda: self.scheduler.abort(rid, message))
+
+    async def pause(self, mode: str) -> str:
+        await self._on_scheduler(lambda: self.scheduler.pause(mode))
+        return f"generation paused (mode {mode})"
+
+    async def resume(self) -> None:
+        await self._on_scheduler(self.scheduler.resume)
+
+    async def flush_cache(self) -> Check:
+        # The hf engine keeps no prefix cache across requests: there is nothing to flush.
+        return Check(True, "Cache flushed (the hf engine keeps no prefix cache).\n")
+
+    async def _on_scheduler(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self.scheduler.call(fn))
+
+    # -- info -------------------------------------------------------------------------------
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.config.tokenizer_path or self.config.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": str(self.weight_version),
+            "max_context": self.limits.max_context,
+            "context_length": self.limits.max_context,
+            "vocab_size": self.limits.vocab_size,
+            "model_type": getattr(self.model.config, "model_type", None),
+            "architectures": getattr(self.model.config, "architectures", None),
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        return {
+            "backend": "hf",
+            "model_path": self.model_path,
+            "tp_size": 1,
+            "dp_size": 1,
+            "device": str(self.device),
+            "dtype": self.config.dtype,
+            "max_batch_size": self.config.max_batch_size,
+            "context_length": self.limits.max_context,
+            "weight_version": str(self.weight_version),
+            "paused": self.scheduler.paused,
+            "return_original_logprob": self.scheduler.return_original_logprob,
+            "incremental_streaming_output": self.config.incremental_streaming_output,
+            "started_at": self.started_at,
+            "num_requests": self.requests_total,
+            **self.scheduler.load(),
+        }
+
+
+async def _drain(events: AsyncIterator[Progress]) -> None:
+    async for _ in events:
+        pass
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")

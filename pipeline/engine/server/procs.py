@@ -1,0 +1,136 @@
+"""The processes of one inference server of each backend (one factory, chosen by `inference.backend`).
+
+* `hf`: our engine, `python -m pipeline.engine.server.hf` (this interpreter);
+* `sglang`: `python -m sglang.launch_server` (interpreter `inference.python`), which speaks the
+  protocol itself (docs/inference.md), so there is no adapter;
+* `vllm`: vLLM's OpenAI server on an internal loopback port (interpreter `inference.python`; vLLM
+  needs its own venv, `scripts/vllm_venv.sh`), fronted by our adapter
+  (`python -m pipeline.engine.server.vllm_adapter`) on the public port.
+
+`inference.extra_args` go last on the engine's command line (vLLM's, not the adapter's), so they can
+override any flag set here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.engine.net import free_port
+from schemas.config import ArlConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+WORKER_EXTENSION = "pipeline.engine.server.vllm_worker_ext.ArlWorkerExtension"
+DEFAULT_CPU_KV_CACHE_GB = "2"  # vLLM's CPU default reserves far more; set VLLM_CPU_KVCACHE_SPACE to change
+
+
+@dataclass
+class ProcSpec:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    log_suffix: str | None = None
+    """None: the server's main log; else a second log file (`server-<i>-<suffix>...`)."""
+    health_url: str | None = None
+    """Where this process answers `/health` when it is not the protocol-serving one (e.g. vLLM behind the adapter)."""
+
+
+def server_procs(config: ArlConfig, *, host: str, port: int, model_path: str, version: int) -> list[ProcSpec]:
+    """The processes of one server, in start order; the last one serves the SGLang protocol on `port`."""
+    backend = config.inference.backend
+    if backend == "hf":
+        return [ProcSpec(hf_command(config, host, port, model_path, version), _hf_env())]
+    if backend == "sglang":
+        return [ProcSpec(sglang_command(config, host, port, model_path, version), _pythonpath())]
+    if backend == "vllm":
+        return vllm_procs(config, host=host, port=port, model_path=model_path, version=version)
+    raise ValueError(f"unknown inference.backend {backend!r}; use hf, vllm or sglang")
+
+
+def hf_command(config: ArlConfig, host: str, port: int, model_path: str, version: int) -> list[str]:
+    inf = config.inference
+    argv = [sys.executable, "-m", "pipeline.engine.server.hf", "--model-path", model_path, "--host", host,
+            "--port", str(port), "--device", inf.device, "--dtype", config.model.dtype,
+            "--max-batch-size", str(inf.max_batch_size), "--max-context", str(config.model.max_context),
+            "--weight-version", str(version)]  # fmt: skip
+    if config.model.tokenizer:
+        argv += ["--tokenizer-path", config.model.tokenizer]
+    return argv + list(inf.extra_args)
+
+
+def _hf_env() -> dict[str, str]:
+    # Idle OpenMP workers sleep instead of spinning (see hf.main); a user's setting wins.
+    return {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), **_pythonpath()}
+
+
+def sglang_command(config: ArlConfig, host: str, port: int, model_path: str, version: int) -> list[str]:
+    """A real SGLang server; flags are SGLang's `ServerArgs`. `--weight-version` makes
+    `meta_info.weight_version` arl's version from the first request on (without it SGLang says "default")."""
+    inf = config.inference
+    return [inf.python or sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+            "--tokenizer-path", config.model.tokenizer or model_path, "--host", host, "--port", str(port),
+            "--tp-size", str(inf.tp_size), "--mem-fraction-static", str(inf.mem_fraction),
+            "--dtype", sglang_dtype(config.model.dtype), "--weight-version", str(version),
+            "--context-length", str(config.model.max_context), *inf.extra_args]  # fmt: skip
+
+
+def sglang_dtype(dtype: str) -> str:
+    """arl's `model.dtype` as SGLang's `--dtype` value (the same names)."""
+    return {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(dtype, "auto")
+
+
+def vllm_procs(config: ArlConfig, *, host: str, port: int, model_path: str, version: int) -> list[ProcSpec]:
+    """[vLLM server, adapter]: the adapter serves the SGLang protocol on `port`, vLLM on a loopback port."""
+    internal = free_port("127.0.0.1")
+    upstream = f"http://127.0.0.1:{internal}"
+    tokenizer = config.model.tokenizer or model_path
+    server = ProcSpec(
+        vllm_command(config, model_path=model_path, tokenizer=tokenizer, port=internal),
+        env=_vllm_env(),
+        log_suffix="vllm",
+        health_url=upstream,
+    )
+    adapter_argv = [sys.executable, "-m", "pipeline.engine.server.vllm_adapter", "--upstream", upstream,
+                    "--host", host, "--port", str(port), "--model-path", model_path, "--tokenizer-path", tokenizer,
+                    "--served-model-name", config.model.served_name, "--weight-version", str(version),
+                    "--max-context", str(config.model.max_context),
+                    "--tp-size", str(config.inference.tp_size)]  # fmt: skip
+    return [server, ProcSpec(adapter_argv, env=_pythonpath())]
+
+
+def vllm_command(config: ArlConfig, *, model_path: str, tokenizer: str, port: int) -> list[str]:
+    """argv of the vLLM OpenAI server (loopback only: the adapter is its one client).
+
+    * `--return-tokens-as-token-ids`: completions carry `token_id:<n>`, so the adapter gets exact ids;
+    * `--logprobs-mode processed_logprobs`: logprobs after temperature, like SGLang's default (vLLM's
+      own default is the unscaled `raw_logprobs`; vLLM's "processed" also applies top-k/top-p masks,
+      SGLang's does not: with top-k/top-p off the two agree);
+    * `--worker-extension-cls` (with `VLLM_SERVER_DEV_MODE=1`): weight updates through `/collective_rpc`.
+    """
+    inf = config.inference
+    return [inf.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+            "--tokenizer", tokenizer, "--served-model-name", config.model.served_name, "--host", "127.0.0.1",
+            "--port", str(port), "--tensor-parallel-size", str(inf.tp_size),
+            "--gpu-memory-utilization", str(inf.mem_fraction), "--dtype", config.model.dtype,
+            "--max-model-len", str(config.model.max_context), "--max-num-seqs", str(inf.max_batch_size),
+            "--return-tokens-as-token-ids", "--logprobs-mode", "processed_logprobs",
+            "--worker-extension-cls", WORKER_EXTENSION, *inf.extra_args]  # fmt: skip
+
+
+def _vllm_env() -> dict[str, str]:
+    env = {"VLLM_SERVER_DEV_MODE": "1", **_pythonpath()}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KV_CACHE_GB))
+    return env
+
+
+def _pythonpath() -> dict[str, str]:
+    """Children import `pipeline` from this checkout even when it is not installed in their interpreter."""
+    existing = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{existing}" if existing else str(REPO_ROOT)}
+
+
+def vllm_venv_python(root: Path = REPO_ROOT) -> Path | None:
+    """`.vllm-venv/bin/python` when scripts/vllm_venv.sh has built it, else None."""
+    python = root / ".vllm-venv" / "bin" / "python"
+    return python if python.exists() else None

@@ -1,0 +1,320 @@
+"""The `vllm` backend: SGLang's protocol (the engine app, `app.py`) in front of a vLLM OpenAI server.
+
+The engine client, proxy and trainer keep speaking SGLang's protocol; this backend turns each
+completion into a token-in/token-out `/v1/completions` call (see `vllm_wire.py`) and the admin
+commands into vLLM calls:
+
+* weight updates and the broadcast group: `/collective_rpc` into `vllm_worker_ext.ArlWorkerExtension`
+  (vLLM runs with VLLM_SERVER_DEV_MODE=1). Like SGLang, an update waits for the requests in flight
+  to finish (new ones wait), or aborts them with `abort_all_requests`; then the prefix cache is
+  reset and `weight_version` bumped;
+* pause holds *new* requests until resume (mode `abort` also aborts those in flight); vLLM offers
+  no way to freeze a running request from outside, so requests already in flight run to completion;
+* abort cancels the upstream HTTP call, which makes vLLM abort the request.
+
+Run: `python -m pipeline.engine.server.vllm_adapter --upstream URL --port N --model-path DIR` (see `procs.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pipeline.engine.server.app import build_app
+from pipeline.engine.server.backend import Check, Progress
+from pipeline.engine.server.requests import Limits, RequestError, WorkItem, stop_token_ids
+from pipeline.engine.server.serve import serve, server_parser
+from pipeline.engine.server.vllm_wire import choice_tokens, choice_top, completion_body, finish_reason
+from pipeline.engine.server.weights import eos_token_ids, load_tokenizer
+from schemas.engine_api import InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput
+
+
+@dataclass
+class AdapterConfig:
+    upstream: str
+    model_path: str
+    tokenizer_path: str | None = None
+    served_model_name: str = "arl-policy"
+    weight_version: int = 0
+    max_context: int = 2048
+    tp_size: int = 1
+
+
+class VLLMAdapter:
+    """A vLLM server as an `EngineBackend`."""
+
+    failure_status = 502  # an error here is (nearly always) vLLM's: the gateway's status
+    incremental_stream = False
+
+    def __init__(self, config: AdapterConfig) -> None:
+        self.config = config
+        self.model_path = config.model_path
+        self.tokenizer = load_tokenizer(config.tokenizer_path or config.model_path)
+        self.checkpoint_shapes = _checkpoint_shapes(Path(config.model_path))
+        hf_config = json.loads((Path(config.model_path) / "config.json").read_text())
+        self.limits = Limits(int(hf_config["vocab_size"]), config.max_context)
+        self.eos_ids = eos_token_ids(_ConfigView(hf_config), self.tokenizer)
+        self.weight_version = config.weight_version
+        self.requests_total = 0
+        self.open = asyncio.Event()
+        self.open.set()
+        self.paused = False
+        self.inflight: dict[str, asyncio.Future[Any]] = {}
+        self.aborted: set[str] = set()
+        self.update_lock = asyncio.Lock()
+        self.http = httpx.AsyncClient(base_url=config.upstream, timeout=httpx.Timeout(None, connect=10.0))
+
+    # -- generation -------------------------------------------------------------------------
+    async def generate(self, item: WorkItem, *, stream: bool) -> AsyncGenerator[Progress, None]:
+        await self.open.wait()
+        if not stream:
+            yield await self._complete(item)
+            return
+        async for progress in self._stream(item):
+            yield progress
+
+    async def _complete(self, item: WorkItem) -> Progress:
+        if item.max_new_tokens == 0:  # vLLM refuses max_tokens=0; SGLang answers with nothing generated
+            return self._progress([], [], {"type": "length", "length": 0})
+        body = completion_body(item, self.config.served_model_name, stream=False)
+        upstream = asyncio.ensure_future(self.http.post("/v1/completions", json=body))
+        self.inflight[item.rid] = upstream
+        try:
+            resp = await upstream
+        except asyncio.CancelledError:
+            if item.rid in self.aborted and not _current_task_cancelling():
+                return self._progress([], [], {"type": "abort", "message": "aborted by request"})
+            upstream.cancel()
+            raise
+        finally:
+            self.inflight.pop(item.rid, None)
+            self.aborted.discard(item.rid)
+        choice = _upstream_json(resp)["choices"][0]
+        ids, logprobs = choice_tokens(choice)
+        finish = finish_reason(choice, ids, stop_token_ids(item.params, self.eos_ids))
+        return self._progress(ids, logprobs, finish, choice_top(choice, item.top_logprobs_num))
+
+    async def _stream(self, item: WorkItem) -> AsyncIterator[Progress]:
+        """vLLM's streamed completion, one event per upstream chunk that carries tokens or the finish."""
+        body = completion_body(item, self.config.served_model_name, stream=True)
+        ids: list[int] = []
+        stops = stop_token_ids(item.params, self.eos_ids)
+        self.inflight[item.rid] = asyncio.ensure_future(asyncio.sleep(0))  # abortable marker (see abort)
+        try:
+            async with self.http.stream("POST", "/v1/completions", json=body) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    _upstream_json(resp)
+                async for line in resp.aiter_lines():
+                    if item.rid in self.aborted:
+                        yield self._progress([], [], {"type": "abort", "message": "aborted"})
+                        break
+                    payload = line.removeprefix("data:").strip()
+                    if not line.startswith("data:") or payload == "[DONE]":
+                        continue
+                    choices = json.loads(payload).get("choices") or []
+                    if not choices:
+                        continue
+                    new_ids, new_lps = choice_tokens(choices[0])
+                    ids += new_ids
+                    finish = finish_reason(choices[0], ids, stops)
+                    yield self._progress(new_ids, new_lps, finish, choice_top(choices[0], item.top_logprobs_num))
+        finally:
+            self.inflight.pop(item.rid, None)
+            self.aborted.discard(item.rid)
+
+    def _progress(self, ids: list[int], lps: list[float], finish: dict[str, Any] | None, top: Any = None) -> Progress:
+        return Progress(ids, lps, self.weight_version, finish, top or [])
+
+    async def health(self, *, generate: bool) -> Check:
+        # `generate` or not, the same question: vLLM's /health answers only while its engine runs.
+        try:
+            resp = await self.http.get("/health", timeout=5.0)
+        except Exception as exc:
+            return Check(False, f"vLLM server unreachable: {exc}")
+        return Check(resp.status_code == 200)
+
+    # -- control ----------------------------------------------------------------------------
+    async def abort(self, rid: str | None, message: str) -> None:
+        self._abort(rid)
+
+    def _abort(self, rid: str | None) -> int:
+        rids = list(self.inflight) if rid is None else [r for r in self.inflight if r == rid or r.startswith(f"{rid}_")]
+        for r in rids:
+            self.aborted.add(r)
+            self.inflight[r].cancel()
+        return len(rids)
+
+    async def pause(self, mode: str) -> str:
+        self.paused = True
+        self.open.clear()
+        if mode == "abort":
+            self._abort(None)
+        return f"new requests held (mode {mode})"
+
+    async def resume(self) -> None:
+        self.paused = False
+        self.open.set()
+
+    async def flush_cache(self) -> Check:
+        resp = await self.http.post("/reset_prefix_cache")
+        return Check(resp.status_code < 400, "Cache flushed.\n")
+
+    # -- weights ----------------------------------------------------------------------------
+    async def update_from_disk(self, model_path: str, version: int | None, abort_all: bool) -> str:
+        if not (Path(model_path) / "config.json").exists():
+            raise RequestError(f"model_path {model_path!r} is not a Hugging Face model directory")
+        await self._swap(abort_all, version, "arl_reload_from_disk", model_path)
+        self.model_path = model_path
+        return f"reloaded {model_path}"
+
+    async def join_group(self, body: InitWeightsUpdateGroupReqInput) -> str:
+        await self._rpc("arl_init_group", body.model_dump_json())
+        return f"joined {body.group_name}"
+
+    async def update_from_group(self, body: UpdateWeightsFromDistributedReqInput, version: int | None) -> str:
+        self._vet_names(body)
+        names = {"names": body.names, "dtypes": body.dtypes, "shapes": body.shapes, "group_name": body.group_name}
+        await self._swap(body.abort_all_requests, version, "arl_receive", json.dumps(names))
+        return f"received {len(body.names)} tensors"
+
+    async def leave_group(self, group_name: str) -> str:
+        await self._rpc("arl_destroy_group", group_name)
+        return f"destroyed {group_name}"
+
+    async def _swap(self, abort_all: bool, version: int | None, method: str, arg: str) -> None:
+        """Run a weight-loading RPC with no request in flight (SGLang's update semantics), then reset the cache."""
+        async with self.update_lock:
+            await self._drain(abort_all)
+            try:
+                await self._rpc(method, arg)
+                await self.http.post("/reset_prefix_cache")
+            finally:
+                if not self.paused:
+                    self.open.set()
+            self.weight_version = self.weight_version if version is None else version
+
+    async def _drain(self, abort_all: bool, timeout_s: float = 600.0) -> None:
+        """Hold new requests; abort or wait out those in flight."""
+        self.open.clear()
+        if abort_all:
+            self._abort(None)
+        deadline = time.monotonic() + timeout_s
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    async def _rpc(self, method: str, *args: str) -> Any:
+        resp = await self.http.post("/collective_rpc", json={"method": method, "args": list(args)})
+        if resp.status_code >= 400:
+            raise RequestError(f"vLLM {method} failed ({resp.status_code}): {resp.text[:2000]}")
+        return resp.json() if resp.content else None
+
+    def _vet_names(self, body: UpdateWeightsFromDistributedReqInput) -> None:
+        """Refuse unknown names / wrong shapes before the trainer starts broadcasting (checkpoint names)."""
+        known = self.checkpoint_shapes
+        unknown = [n for n in body.names if n not in known and n != "lm_head.weight"]
+        if unknown:
+            raise RequestError(f"{len(unknown)} names are not in the served checkpoint, e.g. {unknown[:5]}")
+        bad = [(n, s, known[n]) for n, s in zip(body.names, body.shapes, strict=True) if n in known and s != known[n]]
+        if bad:
+            raise RequestError(f"shape mismatch (name, got, expected): {bad[:5]}")
+
+    # -- info -------------------------------------------------------------------------------
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.config.tokenizer_path or self.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": str(self.weight_version),
+            "max_context": self.limits.max_context,
+            "context_length": self.limits.max_context,
+            "vocab_size": self.limits.vocab_size,
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        return {
+            "backend": "vllm",
+            "upstream": self.config.upstream,
+            "model_path": self.model_path,
+            "tp_size": self.config.tp_size,
+            "dp_size": 1,
+            "weight_version": str(self.weight_version),
+            "paused": self.paused,
+            "running": len(self.inflight),
+        }
+
+
+def _current_task_cancelling() -> bool:
+    task = asyncio.current_task()
+    return bool(task is not None and task.cancelling())
+
+
+def _upstream_json(resp: httpx.Response) -> Any:
+    if resp.status_code >= 400:
+        try:
+            detail = resp.json()
+            message = detail.get("error", {}).get("message") or detail.get("message") or detail
+        except ValueError:
+            message = resp.text[:2000]
+        if resp.status_code < 500:
+            raise RequestError(f"vLLM refused the request ({resp.status_code}): {message}")
+        raise RuntimeError(f"vLLM failed ({resp.status_code}): {message}")
+    return resp.json()
+
+
+class _ConfigView:
+    """Just enough of a model for `eos_token_ids` (the adapter never loads the weights)."""
+
+    def __init__(self, hf_config: dict[str, Any]) -> None:
+        self.config = type("C", (), {"eos_token_id": hf_config.get("eos_token_id")})()
+        self.generation_config = None
+
+
+def _checkpoint_shapes(model_dir: Path) -> dict[str, list[int]]:
+    """Tensor names and shapes of a HF checkpoint (headers only): to vet distributed updates up front."""
+    from safetensors import safe_open
+
+    shapes: dict[str, list[int]] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                shapes[name] = list(handle.get_slice(name).get_shape())
+    return shapes
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pipeline.engine.server.vllm_adapter --upstream URL --port N --model-path DIR`."""
+    from pipeline.logs import setup_logging
+
+    parser = server_parser("SGLang-protocol adapter in front of a vLLM server", max_context=2048)
+    parser.add_argument("--upstream", required=True)
+    parser.add_argument("--served-model-name", default="arl-policy")
+    parser.add_argument("--tp-size", type=int, default=1)
+    args = parser.parse_args(argv)
+    setup_logging()
+    config = AdapterConfig(
+        upstream=args.upstream,
+        model_path=args.model_path,
+        tokenizer_path=args.tokenizer_path,
+        served_model_name=args.served_model_name,
+        weight_version=args.weight_version,
+        max_context=args.max_context,
+        tp_size=args.tp_size,
+    )
+    adapter = VLLMAdapter(config)
+    serve(build_app(adapter, title="arl vLLM adapter (SGLang protocol)"), host=args.host, port=args.port)
+    return 0
+
+
+if __name__ == "__main__":
+    from pipeline.engine.server.vllm_adapter import main as _main  # the module proper, not __main__'s copy
+
+    raise SystemExit(_main())
