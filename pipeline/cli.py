@@ -18,13 +18,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _friendly(func: F) -> F:
-    """Turn ArlError (and a missing file) into `error: ...` and exit code 2, without a traceback."""
+    """Turn ArlError (and a path that is missing or already there) into `error: ...` and exit code 2,
+    without a traceback; the exit codes are listed in docs/cli.md."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             code = func(*args, **kwargs)
-        except ArlError as exc:
+        except (ArlError, FileNotFoundError, FileExistsError) as exc:
             typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
