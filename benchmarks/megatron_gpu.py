@@ -18,7 +18,7 @@ Run on the device (megatron-core is not on the GPU image; carry its wheel):
    step), `--warmup` untimed updates then `--updates` timed ones, in the same process.
    tokens/s counts every token; MFU = 6 * N * tokens / s / peak bf16 FLOP/s (the loop's own formula,
    which ignores attention) and MFU_attn adds causal attention's 6 * layers * hidden * L per token for a
-   sample of length L. Target (issue #8): megatron MFU >= 40% on one H100.
+   sample of length L. Target: megatron MFU >= 40% on one H100 (docs/megatron.md).
 
 Prints tables, then one `RESULT {...}` JSON line.
 """

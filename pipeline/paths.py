@@ -1,4 +1,4 @@
-"""Every path of the run directory (SPEC §2), built in one place.
+"""Every path of the run directory (docs/run-directory.md), built in one place.
 
 No other module joins run-dir path strings: they ask `RunPaths`. Steps are zero-padded so that
 lexical order is step order. Marker and file names are defined once, here.

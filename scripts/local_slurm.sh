@@ -5,7 +5,7 @@
 #   scripts/local_slurm.sh down     cancel every job, then stop the daemons by their pid files
 #   scripts/local_slurm.sh status   which daemons run, and `sinfo`
 #
-# Follows ../shared/notes/slurm-on-one-machine.md: no systemd, Slurm state under $ARL_SLURM_DIR
+# Why each setting (docs/operations.md, "A Slurm cluster on one machine"): no systemd, Slurm state under $ARL_SLURM_DIR
 # (default /tmp/arl-slurm), accounting so that sacct/submitit see cancels, `config_overrides` so the
 # node may announce more CPUs than the machine has (several stage jobs at once on 2 cores).
 # Daemons are stopped by pid file only, never by name. Needs root (it writes /etc/slurm).

@@ -37,7 +37,7 @@ def launch(
     resume: bool = False,
     clean: bool = False,
 ) -> int:
-    """Start a run (SPEC §8). Returns the exit status: 0 submitted / finished, 1 a stage failed, 130 interrupted."""
+    """`arl launch` (docs/cli.md). Exit status: 0 submitted / finished, 1 a stage failed, 130 interrupted."""
     if executor not in EXECUTORS:
         raise ArlError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
     console = Console()

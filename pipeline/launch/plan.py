@@ -1,6 +1,6 @@
 """What each stage job runs, and with which resources.
 
-A stage job is `arl stage <name> --run-dir D` (SPEC §8), nothing more: the stages coordinate only
+A stage job is `arl stage <name> --run-dir D` (docs/cli.md), nothing more: the stages coordinate only
 through the run dir, so the launcher never passes them anything else and the order of
 submission never matters. The trainer is the one stage that may span several processes: with
 more than one GPU or node it runs under torchrun, one torchrun per node (started by `srun`),

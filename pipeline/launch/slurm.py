@@ -4,7 +4,7 @@ submitit gives us job objects, `sacct`-based state, the remote traceback of a fa
 requeue machinery. Its own sbatch file is replaced by arl's template (one `_make_submission_file_text`
 override), so a submitted script and a `--dry-run` script differ only in their last line.
 The launcher never waits on `job.result()`: stage jobs run for hours, and without accounting a
-cancelled job's result never arrives (../shared/notes/slurm-on-one-machine.md).
+cancelled job's result never arrives (docs/operations.md, "A Slurm cluster on one machine").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Chat templating and the token-exact prefix logic (SPEC §4).
+"""Chat templating and the token-exact prefix logic (docs/proxy.md, "Token-exact multi-turn").
 
 The first call of a conversation renders the model's chat template and tokenizes it. A later call
 that *extends* an earlier interaction (same messages + the assistant message the proxy returned +

@@ -1,10 +1,11 @@
 """HF-layout checkpoints, the trainer state that goes with them, resume points and pruning.
 
-Layout (SPEC §2): `checkpoints/step_%06d/` holds weight VERSION v (config.json, generation_config.json,
-model.safetensors or sharded *.safetensors + index, tokenizer files, `_COMPLETE`), loadable with plain
-`AutoModelForCausalLM.from_pretrained`. `state/trainer/step_%06d/` holds what exact resume needs
-beyond the weights: optimizer and scheduler state (written by the backend), RNG states (torch,
-numpy, python, CUDA) and `data.json` (next step, seed, world size), with its own `_COMPLETE`.
+Layout (docs/run-directory.md): `checkpoints/step_%06d/` holds weight VERSION v (config.json,
+generation_config.json, model.safetensors or sharded *.safetensors + index, tokenizer files,
+`_COMPLETE`), loadable with plain `AutoModelForCausalLM.from_pretrained`. `state/trainer/step_%06d/`
+holds what exact resume needs beyond the weights: optimizer and scheduler state (written by the
+backend), RNG states (torch, numpy, python, CUDA) and `data.json` (next step, seed, world size),
+with its own `_COMPLETE`.
 
 Crash safety: both directories are staged under a temp name and renamed into place with the marker
 written last (`pipeline.handoff`); the state is published BEFORE the checkpoint, so "checkpoint v is

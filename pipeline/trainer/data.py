@@ -111,7 +111,8 @@ def filter_samples(step: int, samples: list[Sample], max_staleness: int, where: 
 
 
 def _check_invariants(samples: list[Sample], where: str) -> None:
-    """The few invariants the trainer relies on (the full SPEC §3 check runs where shards are written)."""
+    """The few invariants the trainer relies on (the full docs/trajectory-schema.md check runs where shards
+    are written)."""
     for s in samples:
         n = len(s.input_ids)
         if not (len(s.loss_mask) == len(s.logprobs) == len(s.versions) == n) or n == 0:

@@ -1,6 +1,6 @@
 """The demo config under the real local Slurm cluster: launch, cancel the trainer mid-run, resume.
 
-Written against the run-dir contract (SPEC §2), not against any stage's internals: the stages
+Written against the run-dir contract (docs/run-directory.md), not against any stage's internals: the stages
 run as Slurm jobs, every step's shards and manifest exist exactly once, checkpoints and metrics
 are valid, and a resume after `scancel` of the trainer loses and duplicates nothing.
 Skipped only while the stages are not in the repository yet.

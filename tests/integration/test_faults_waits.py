@@ -1,5 +1,5 @@
 """Upstream stages that never come: every cross-job wait ends at its deadline with an error naming
-what it waited for, the upstream stage and that stage's log (SPEC §2), and publishes nothing partial.
+what it waited for, the upstream stage and that stage's log (docs/run-directory.md), and publishes nothing partial.
 
 Each stage runs as a real `arl stage ...` subprocess; the inference server (where one is needed) is
 a real `hf` server on loopback registered in the run dir.

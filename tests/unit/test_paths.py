@@ -1,4 +1,4 @@
-"""Run-dir paths: every SPEC §2 path from one place, zero-padded steps, markers, scans."""
+"""Run-dir paths: every docs/run-directory.md path from one place, zero-padded steps, markers, scans."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The CUDA shim that lets megatron-core run on a CPU (CI, laptops). Applied only without CUDA.
 
 megatron-core 0.16.1 builds and trains fine on CPU with gloo except for a few unconditional
-`torch.cuda.*` calls (measured, see /work/shared/notes/ml-stack.md "megatron-core 0.16.1 on CPU"):
+`torch.cuda.*` calls (measured; docs/megatron.md "The CUDA shim"):
 
 - `torch.cuda.current_device()` places tensors: rope `inv_freq`, tensor-parallel gather/scatter
   buffers (`mappings.py`, `layers.py`), the global memory buffer, pipeline p2p buffers.

@@ -3,8 +3,8 @@
 Why: megatron-core's only TransformerEngine-free core attention (`DotProductAttention`, the local
 spec) materialises the whole [b, heads, s, s] score matrix: 8.5% MFU and out of memory at
 sequence 4096 for a 0.3B model on an H100, where Hugging Face with `sdpa` reached 23-29%
-(/work/shared/notes/ml-stack.md). SDPA dispatches to the flash / memory-efficient kernels on GPU
-(bf16) and to a fused CPU kernel on CPU, never storing the score matrix. TransformerEngine is not
+(docs/megatron.md "Why our own core attention"). SDPA dispatches to the flash / memory-efficient
+kernels on GPU (bf16) and to a fused CPU kernel on CPU, never storing the score matrix. TransformerEngine is not
 on the GPU image and is too large to carry, so this module takes its place in the layer spec
 (`ModuleSpec(core_attention=SDPAAttention)`, see model.py).
 
