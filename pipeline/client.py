@@ -11,7 +11,9 @@ the entry never holds a key). Starting a session waits (with a deadline) while t
 (`rollout.max_staleness`). Leaving the block ends the session; an exception leaving it marks the
 run failed (the proxy stage then trains on none of its samples) and propagates.
 
-Only `httpx` is needed here (no torch, no transformers), so this module installs anywhere.
+Only `httpx` is needed here (no torch, no transformers), so this module installs anywhere: it uses the
+proxy's HTTP control (`pipeline.proxy.control`) and the agent return-value contract (`pipeline.outcome`),
+nothing of the rollout. Endpoints: docs/proxy.md; the stage that serves outside agents: docs/rollout.md.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from typing import Any
 import httpx
 
 from pipeline.errors import ArlError
-from pipeline.rollout.agents import interpret_result
-from pipeline.rollout.proxy_api import NoCapacity, ProxyAPI, SessionAPI, SessionInfo, root_url
+from pipeline.outcome import interpret_result
+from pipeline.proxy.control import HttpControl, NoCapacity, SessionClient, SessionInfo, root_url
 
 log = logging.getLogger("arl.client")
 
@@ -107,7 +109,7 @@ class AgentSession:
         return self._info
 
     async def __aenter__(self) -> AgentSession:
-        api = ProxyAPI(self.proxy_url, self.client_key, self.http)
+        api = HttpControl(self.proxy_url, self.client_key, self.http)
         deadline = time.monotonic() + self.start_timeout_s
         delay = 0.2
         while True:
@@ -130,7 +132,7 @@ class AgentSession:
 
     async def set_reward(self, reward: float, interaction_id: str | None = None) -> None:
         """Reward the last completion (or the completion/response/message with `interaction_id`)."""
-        await SessionAPI(self.proxy_url, self._require(), self.http).set_reward(reward, interaction_id)
+        await SessionClient(self.proxy_url, self._require(), self.http).set_reward(reward, interaction_id)
 
     def reject(self) -> None:
         """Train on none of this run's samples (the run is still ended cleanly)."""
@@ -144,7 +146,7 @@ class AgentSession:
         status = "failed" if self.failed else "rejected" if self.rejected else None
         try:
             if self._info is not None:
-                await SessionAPI(self.proxy_url, self._info, self.http).end(status)
+                await SessionClient(self.proxy_url, self._info, self.http).end(status)
         finally:
             await self._close_http()
 

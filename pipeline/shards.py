@@ -1,4 +1,8 @@
-"""Write and read one training step's trajectories: Parquet parts plus `_MANIFEST.json` (SPEC §2–3).
+"""Write and read one training step's trajectories: Parquet parts plus `_MANIFEST.json`.
+
+Contracts: docs/run-directory.md (where a step lives, publication) and docs/trajectory-schema.md
+(the columns, the manifest). `write_step` takes typed rows (`schemas.trajectory.TrajectoryRow`) and
+is the one place they become Arrow.
 
 A step is built in a staging dir beside its final place (`trajectories/step_%06d.<rand>.tmp`),
 its manifest written last, and the whole dir renamed into place (`pipeline.handoff.publish_dir`).
@@ -21,6 +25,7 @@ import io
 import json
 import re
 import shutil
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
@@ -41,6 +46,7 @@ from schemas.trajectory import (
     LIST_COLUMNS,
     SCHEMA,
     SCHEMA_VERSION,
+    TrajectoryRow,
     check_file_metadata,
     schema_with_metadata,
 )
@@ -79,7 +85,7 @@ class StepNotFound(ArlError, FileNotFoundError):
 def write_step(
     paths: RunPaths,
     step: int,
-    rows: list[dict],
+    rows: Sequence[TrajectoryRow],
     *,
     producer: str,
     tokenizer: str,
@@ -91,13 +97,13 @@ def write_step(
         raise ValueError(f"producer {producer!r} must match {_PRODUCER_RE.pattern} (it is part of file names)")
     if rows_per_part < 1:
         raise ValueError(f"rows_per_part must be >= 1, got {rows_per_part}")
-    table = rows_to_table(rows, tokenizer)
     where = f"step {step}"
+    steps = {row.step for row in rows}
+    if steps and steps != {step}:
+        raise SchemaError(f"{where}: rows carry step values {sorted(steps, key=str)}; every row written to step "
+                          f"{step} must have step={step} (assign it with `row.at_step({step})`)")  # fmt: skip
+    table = rows_to_table(rows, tokenizer)
     validate_table_fast(table, where=where)
-    steps = pc.unique(table.column("step")).to_pylist()
-    if steps and steps != [step]:
-        raise SchemaError(f"{where}: rows carry step values {sorted(steps)}; every row written to step {step} "
-                          f"must have step={step}")  # fmt: skip
     final = paths.step_dir(step)
     # A writer killed earlier left its staging dir behind; only this step's leftovers are ours to remove.
     for leftover in final.parent.glob(f"{step_name(step)}.*.tmp") if final.parent.exists() else []:
@@ -119,33 +125,16 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def rows_to_table(rows: list[dict], tokenizer: str) -> pa.Table:
-    """Rows (dicts of every column) → an Arrow table of the shard schema, with a clear error on bad values."""
+def rows_to_table(rows: Sequence[TrajectoryRow], tokenizer: str) -> pa.Table:
+    """Typed rows → an Arrow table of the shard schema (column by column), with a clear error on bad values."""
     columns: dict[str, pa.Array] = {}
     for field in SCHEMA:
-        try:
-            values = [row[field.name] for row in rows]
-        except KeyError:
-            bad = next(i for i, row in enumerate(rows) if field.name not in row)
-            raise SchemaError(f"row {bad} (sample {rows[bad].get('sample_id')!r}) has no column {field.name!r}; "
-                              f"rows need every column of {SCHEMA.names}") from None  # fmt: skip
-        if field.name == "created_at":
-            values = [_epoch_ms(v, i) for i, v in enumerate(values)]
+        values = [getattr(row, field.name) for row in rows]
         try:
             columns[field.name] = pa.array(values, type=field.type)
         except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError) as exc:
             raise SchemaError(f"column {field.name!r} cannot be stored as {field.type}: {exc}") from None
     return pa.table(columns, schema=schema_with_metadata(tokenizer))
-
-
-def _epoch_ms(value: Any, index: int) -> int:
-    if isinstance(value, datetime):
-        if value.tzinfo is None:
-            raise SchemaError(f"row {index}: created_at {value!r} has no time zone; use datetime.now(UTC)")
-        return int(value.timestamp() * 1000)
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return int(value)
-    raise SchemaError(f"row {index}: created_at must be a timezone-aware datetime or epoch ms, got {value!r}")
 
 
 def _write_part(path: Path, table: pa.Table) -> PartEntry:

@@ -11,7 +11,7 @@ propagated rewards. It walks nodes in reverse insertion order, which is a valid 
 order because a parent is always added before its children (checked in `add`); no recursion,
 so a 100,000-turn chain is as safe as a 3-turn one.
 
-Export (SPEC §3 rows, `schemas.trajectory.SCHEMA`):
+Export (`schemas.trajectory.TrajectoryRow`, the shard rows of docs/trajectory-schema.md):
 
 * `individual`: one row per interaction: `prompt_ids + output_ids`, loss mask over the output.
 * `concat`: one row per root-to-leaf path, loss mask over every sampled segment. Token-exact
@@ -32,11 +32,10 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Literal
 
 from pipeline.errors import ArlError
-from schemas.trajectory import FINISH_REASONS, validate_row
+from schemas.trajectory import FINISH_REASONS, TrajectoryRow, validate_row
 
 ExportStyle = Literal["individual", "concat"]
 EXPORT_STYLES: tuple[str, ...] = ("individual", "concat")
@@ -173,8 +172,8 @@ class SessionTree:
             out[node_id] = own + (discount * sum(out[k] for k in kids) / len(kids) if kids else 0.0)
         return out
 
-    def export(self, style: ExportStyle, discount: float, step: int) -> list[dict[str, Any]]:
-        """Rows with every shard column (`created_at` a UTC datetime), each checked by `validate_row`."""
+    def export(self, style: ExportStyle, discount: float, step: int | None = None) -> list[TrajectoryRow]:
+        """The session's training rows, each checked by `validate_row` (`step` None: not assigned yet)."""
         if style not in EXPORT_STYLES:
             raise TrajectoryError(f"export style must be one of {list(EXPORT_STYLES)}, got {style!r}")
         rewards = self.propagate_rewards(discount)
@@ -186,7 +185,7 @@ class SessionTree:
         for segment in segments:
             row = self._row(segment, rewards[segment[-1].id], step)
             if row is not None:
-                validate_row(row, where=f"session {self.session_id!r} sample {row['sample_id']!r}")
+                validate_row(row, where=f"session {self.session_id!r} sample {row.sample_id!r}")
                 rows.append(row)
         return rows
 
@@ -218,7 +217,7 @@ class SessionTree:
         path.reverse()
         return path
 
-    def _row(self, segment: list[Interaction], reward: float, step: int) -> dict[str, Any] | None:
+    def _row(self, segment: list[Interaction], reward: float, step: int | None) -> TrajectoryRow | None:
         """One row from interactions that extend each other's tokens (the last prompt holds them all)."""
         last = segment[-1]
         input_ids = last.full_ids
@@ -240,23 +239,23 @@ class SessionTree:
             metadata.update(node.metadata)
         metadata["interaction_ids"] = [node.id for node in segment]
         metadata["prefix_break"] = self.is_break(first)
-        return {
-            "step": step,
-            "session_id": self.session_id,
-            "sample_id": last.id,
-            "parent_id": first.parent_id,
-            "group_id": self.group_id,
-            "input_ids": input_ids,
-            "loss_mask": loss_mask,
-            "logprobs": [float(x) for x in logprobs],
-            "versions": [int(x) for x in versions],
-            "reward": float(reward),
-            "prompt_len": loss_mask.index(1),
-            "num_turns": len(segment),
-            "finish_reason": last.finish_reason,
-            "created_at": datetime.fromtimestamp(last.created_at, tz=UTC),
-            "metadata": json.dumps(metadata, sort_keys=True, default=str),
-        }
+        return TrajectoryRow(
+            step=step,
+            session_id=self.session_id,
+            sample_id=last.id,
+            parent_id=first.parent_id,
+            group_id=self.group_id,
+            input_ids=input_ids,
+            loss_mask=loss_mask,
+            logprobs=[float(x) for x in logprobs],
+            versions=[int(x) for x in versions],
+            reward=float(reward),
+            prompt_len=loss_mask.index(1),
+            num_turns=len(segment),
+            finish_reason=last.finish_reason,
+            created_at=int(last.created_at * 1000),
+            metadata=json.dumps(metadata, sort_keys=True, default=str),
+        )
 
     def _unknown_message(self, interaction_id: str) -> str:
         known = list(self._nodes)

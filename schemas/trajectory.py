@@ -1,4 +1,4 @@
-"""Trajectory shard schema, version 1 (SPEC §3): one Parquet row per training sample.
+"""Trajectory shard schema, version 1 (docs/trajectory-schema.md): one Parquet row per training sample.
 
 Columns (every list column has the same length L in a row):
 
@@ -37,19 +37,35 @@ the model calls a tool, the tool answers, the model replies:
 
 Note the `\\n` after the first `<|im_end|>`: the model stopped at `<|im_end|>`, so the newline the
 template puts after it belongs to the *next* turn's (unsampled) suffix, never silently dropped.
+
+In Python a row is a `TrajectoryRow` from the moment a session is exported
+(`pipeline.trajectory.SessionTree.export`) to the shard writer (`pipeline.shards.write_step`), the one
+place it becomes Arrow. Its wire form (`to_wire`: every column but `step`, `created_at` in epoch ms)
+is what the proxy's `/export_trajectories` answers and what the standalone proxy's spool stores.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields, replace
+from datetime import datetime
 from typing import Any
 
 import pyarrow as pa
 
 from pipeline.errors import SchemaError
 
-__all__ = ["SCHEMA", "SCHEMA_VERSION", "SchemaError", "check_file_metadata", "validate_row", "validate_table"]
+__all__ = [
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "SchemaError",
+    "TrajectoryRow",
+    "check_file_metadata",
+    "rows_from_dicts",
+    "validate_row",
+    "validate_table",
+]
 
 SCHEMA_VERSION = 1
 META_SCHEMA_VERSION = b"arl.schema_version"
@@ -78,6 +94,82 @@ SCHEMA = pa.schema(
 )
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrajectoryRow:
+    """One training sample: a shard row, typed (each field is the column of the same name above)."""
+
+    session_id: str
+    sample_id: str
+    parent_id: str | None
+    group_id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    reward: float
+    prompt_len: int
+    num_turns: int
+    finish_reason: str
+    created_at: int
+    """Epoch milliseconds, UTC (the column's timestamp[ms, UTC] value)."""
+    metadata: str
+    step: int | None = None
+    """The training step the row belongs to; None until a producer assigns it one (`at_step`): an
+    exported session does not know which step it will fill."""
+
+    def at_step(self, step: int) -> TrajectoryRow:
+        return replace(self, step=step)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every column (a shallow view: the lists are the row's own)."""
+        return {name: getattr(self, name) for name in COLUMNS}
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON form: every column but `step`, in schema order."""
+        return {name: getattr(self, name) for name in WIRE_COLUMNS}
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> TrajectoryRow:
+        """A row from its JSON form; TypeError on a missing or unknown column."""
+        return cls(**data)
+
+
+COLUMNS: tuple[str, ...] = tuple(SCHEMA.names)
+WIRE_COLUMNS: tuple[str, ...] = tuple(name for name in COLUMNS if name != "step")
+assert set(COLUMNS) == {f.name for f in fields(TrajectoryRow)}, "TrajectoryRow and SCHEMA name the same columns"
+
+
+def rows_from_dicts(rows: Iterable[Mapping[str, Any]]) -> list[TrajectoryRow]:
+    """Rows given as dicts of every column (`created_at` an aware datetime or epoch ms) → typed rows.
+
+    For producers that build plain dicts (synthetic data, tables read back with `to_pylist`).
+    """
+    out = []
+    for i, row in enumerate(rows):
+        missing = [name for name in COLUMNS if name not in row]
+        if missing:
+            raise SchemaError(f"row {i} (sample {row.get('sample_id')!r}) has no column {missing[0]!r}; rows need "
+                              f"every column of {list(COLUMNS)}")  # fmt: skip
+        unknown = sorted(set(row) - set(COLUMNS))
+        if unknown:
+            raise SchemaError(f"row {i} (sample {row.get('sample_id')!r}) has unknown columns {unknown}")
+        values = dict(row)
+        values["created_at"] = epoch_ms(row["created_at"], f"row {i}")
+        out.append(TrajectoryRow(**values))
+    return out
+
+
+def epoch_ms(value: Any, where: str = "row") -> int:
+    """`created_at` as epoch milliseconds, from an aware datetime or a number of milliseconds."""
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise SchemaError(f"{where}: created_at {value!r} has no time zone; use datetime.now(UTC)")
+        return int(value.timestamp() * 1000)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return int(value)
+    raise SchemaError(f"{where}: created_at must be a timezone-aware datetime or epoch ms, got {value!r}")
+
+
 def schema_with_metadata(tokenizer: str) -> pa.Schema:
     """SCHEMA plus the key-value metadata every shard carries."""
     return SCHEMA.with_metadata({META_SCHEMA_VERSION: str(SCHEMA_VERSION).encode(), META_TOKENIZER: tokenizer.encode()})
@@ -96,8 +188,10 @@ def check_file_metadata(metadata: Mapping[bytes, bytes] | None, where: str) -> s
     return metadata.get(META_TOKENIZER, b"").decode()
 
 
-def validate_row(row: Mapping[str, Any], where: str = "row") -> None:
-    """Check every invariant of SPEC §3 on one row (a dict of column -> Python value)."""
+def validate_row(row: TrajectoryRow | Mapping[str, Any], where: str = "row") -> None:
+    """Check every invariant of docs/trajectory-schema.md on one row (typed, or a dict of column -> value)."""
+    if isinstance(row, TrajectoryRow):
+        row = row.as_dict()
     missing = [f.name for f in SCHEMA if f.name not in row]
     if missing:
         raise SchemaError(f"{where}: missing columns {missing}")

@@ -1,14 +1,16 @@
-"""Session control, rewards and export: who may do what (SPEC §4).
+"""Session control, rewards and export over HTTP: who may do what (docs/proxy.md, "Keys").
 
 * admin key: everything, on any session (the rollout stage, operators).
 * client key: start sessions, set rewards on and end *its own* sessions (a session started with
   the same client key); never export. Another client's session answers 404, as if absent.
 * session key: only its own session; naming another session is a 403.
+
+The work itself is the session store's (`pipeline.proxy.sessions`); `reward` is shared with the
+in-process control (`pipeline.proxy.local`).
 """
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Any
 
 from pipeline.proxy.errors import ApiError
@@ -49,16 +51,23 @@ def start_session(store: SessionStore, caller: Caller, body: StartSessionRequest
 
 def set_reward(store: SessionStore, caller: Caller, body: SetRewardRequest) -> dict[str, Any]:
     session = target_session(store, caller, body.session_id)
-    targets = _reward_targets(session, body.interaction_id)
-    for interaction_id in targets:
+    rewarded = reward(session, body.reward, body.interaction_id)
+    return {"session_id": session.id, "interaction_ids": rewarded, "reward": body.reward}
+
+
+def reward(session: Session, value: float, interaction_id: str | None) -> list[str]:
+    """Reward the last completion or a named one (every choice of an `n > 1` id); the ids rewarded."""
+    targets = _reward_targets(session, interaction_id)
+    for target in targets:
         try:
-            session.tree.set_reward(body.reward, interaction_id)
+            session.tree.set_reward(value, target)
         except UnknownInteraction as exc:
             raise ApiError(404, str(exc), param="interaction_id") from None
         except TrajectoryError as exc:
             raise ApiError(400, str(exc), param="reward") from None
-    rewarded = targets if targets != [None] else [_last_id(session)]
-    return {"session_id": session.id, "interaction_ids": rewarded, "reward": body.reward}
+    if targets == [None]:
+        return [_last_id(session)]
+    return [t for t in targets if t is not None]
 
 
 def _reward_targets(session: Session, interaction_id: str | None) -> list[str | None]:
@@ -80,42 +89,24 @@ def any_agent_set_reward(store: SessionStore, caller: Caller, body: AnyAgentSetR
     return set_reward(store, caller, SetRewardRequest(reward=body.reward, interaction_id=body.completion_id))
 
 
-def end_session(store: SessionStore, caller: Caller, body: EndSessionRequest | None, reason: str) -> dict[str, Any]:
+async def end_session(store: SessionStore, caller: Caller, body: EndSessionRequest | None, reason: str,
+                      run_status: str = "ok") -> dict[str, Any]:  # fmt: skip
+    """End the session; answers once the end is announced (a subscriber's failure is a 503)."""
     session = target_session(store, caller, body.session_id if body else None)
-    store.end(session, reason)
+    await store.end(session, reason, run_status)
     return {"session_id": session.id, "ended": True, "num_interactions": len(session.tree)}
 
 
-def finalize(store: SessionStore, caller: Caller, body: AnyAgentFinalize) -> dict[str, Any]:
+async def finalize(store: SessionStore, caller: Caller, body: AnyAgentFinalize,
+                   run_status: str = "ok") -> dict[str, Any]:  # fmt: skip
     target_session(store, caller, None)  # a session key, its own session
     if body.final_reward is not None:
         set_reward(store, caller, SetRewardRequest(reward=body.final_reward))
-    return end_session(store, caller, None, "finalize")
+    return await end_session(store, caller, None, "finalize", run_status)
 
 
 def export(store: SessionStore, caller: Caller, body: ExportRequest) -> dict[str, Any]:
     """The session's rows (every shard column but `step`; `created_at` in epoch ms); removes the session."""
     if caller.kind != "admin":
         raise ApiError(403, "exporting trajectories needs the admin key")
-    session = store.get(body.session_id)
-    if session.inflight:
-        raise ApiError(409, f"session {session.id} has {session.inflight} call(s) in flight: end the session and "
-                       "let its calls finish before exporting")  # fmt: skip
-    store.end(session, "exported")
-    try:
-        rows = session.tree.export(body.style, body.discount, step=0)
-    except TrajectoryError as exc:
-        raise ApiError(400, f"cannot export session {session.id}: {exc}") from None
-    samples = [_wire_row(row) for row in rows]
-    result = {"session_id": session.id, "group_id": session.tree.group_id, "samples": samples,
-              "num_interactions": len(session.tree), "prefix_breaks": session.prefix_breaks}  # fmt: skip
-    store.remove(session.id, "exported")
-    return result
-
-
-def _wire_row(row: dict[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in row.items() if k != "step"}
-    created = out["created_at"]
-    if isinstance(created, datetime):
-        out["created_at"] = int(created.timestamp() * 1000)
-    return out
+    return store.export(store.get(body.session_id), body.style, body.discount).to_json()

@@ -6,7 +6,8 @@
     await proxy.stop()
 
 The caller owns the `EngineClient` (it is started here if needed, never closed here). Endpoints
-and keys: SPEC §4 and docs/proxy.md.
+and keys: docs/proxy.md. The process serving the proxy drives its sessions through `proxy.control`
+(`pipeline.proxy.local.LocalControl`), agents and operators over HTTP.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from starlette.responses import Response, StreamingResponse
 from pipeline.engine.client import EngineClient
 from pipeline.proxy import anthropic_messages, openai_chat, openai_responses, rl
 from pipeline.proxy.auth import ROUTE_KEYS, KeyCheck, caller_of, check_routes
+from pipeline.proxy.control import RUN_STATUS_HEADER
 from pipeline.proxy.core import Generator
 from pipeline.proxy.http import BodyLimit, RawPost, add_raw_posts, install_error_handlers, json_response, parse_body
+from pipeline.proxy.local import LocalControl
 from pipeline.proxy.parsers import check_parser_names
 from pipeline.proxy.sessions import Caller, KeyKind, Session, SessionStore
 from pipeline.proxy.streaming import SSE_HEADERS
@@ -59,6 +62,7 @@ class ProxyServer:
         self.engine = engine
         self.tokenizer = ChatTokenizer(model.tokenizer or model.path, model.chat_template, model_dir=model.path)
         self.store = SessionStore(proxy, admin_key)
+        self.control = LocalControl(self.store)
         self.generator = Generator(self.tokenizer, engine, model, proxy)
         self.route_keys: dict[str, tuple[KeyKind, ...]] = dict(ROUTE_KEYS)
         self.app = build_app(self)
@@ -124,7 +128,10 @@ class ProxyServer:
         interval = min(max(self.config.session_timeout_s / 4, 0.05), 30.0)
         while True:
             await asyncio.sleep(interval)
-            self.store.sweep()
+            try:
+                await self.store.sweep()
+            except Exception:  # a bug; the sweeps to come must still run
+                log.exception("idle session sweep failed")
 
 
 _heap_frozen = False
@@ -160,7 +167,8 @@ def _embedded_server(config: Any) -> Any:
 
 def build_app(proxy: ProxyServer) -> FastAPI:
     app = FastAPI(title="arl capture proxy", version="1", docs_url=None, redoc_url=None,
-                  description="OpenAI/Anthropic-compatible proxy recording exact tokens for RL (SPEC §4).")  # fmt: skip
+                  description="OpenAI/Anthropic-compatible proxy recording exact tokens for RL "
+                  "(docs/proxy.md).")  # fmt: skip
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=proxy.config.max_request_bytes)
     # Added last, so it runs first: a request without a valid key learns nothing about bodies or limits.
@@ -194,8 +202,9 @@ def build_app(proxy: ProxyServer) -> FastAPI:
         return json_response(rl.set_reward(proxy.store, caller, body))
 
     @app.post("/rl/end_session")
-    async def end_session(caller: Caller = caller_dep, body: EndSessionRequest | None = None) -> Response:
-        return json_response(rl.end_session(proxy.store, caller, body, "end_session"))
+    async def end_session(request: Request, caller: Caller = caller_dep,
+                          body: EndSessionRequest | None = None) -> Response:  # fmt: skip
+        return json_response(await rl.end_session(proxy.store, caller, body, "end_session", _run_status(request)))
 
     @app.post("/export_trajectories")
     async def export_trajectories(body: ExportRequest, caller: Caller = caller_dep) -> Response:
@@ -206,11 +215,16 @@ def build_app(proxy: ProxyServer) -> FastAPI:
         return json_response(rl.any_agent_set_reward(proxy.store, caller, body))
 
     @app.post("/rl/v1/finalize")
-    async def any_agent_finalize(body: AnyAgentFinalize, caller: Caller = caller_dep) -> Response:
-        return json_response(rl.finalize(proxy.store, caller, body))
+    async def any_agent_finalize(request: Request, body: AnyAgentFinalize, caller: Caller = caller_dep) -> Response:
+        return json_response(await rl.finalize(proxy.store, caller, body, _run_status(request)))
 
     add_raw_posts(app, _llm_routes(proxy))
     return app
+
+
+def _run_status(request: Request) -> str:
+    """The end call's `x-arl-run-status` ("failed" / "rejected" drop the samples where a spool listens)."""
+    return request.headers.get(RUN_STATUS_HEADER) or "ok"
 
 
 def _llm_routes(proxy: ProxyServer) -> list[RawPost]:

@@ -10,9 +10,17 @@ idleness with no call in flight) -> removed (after a successful export, or after
 `session_timeout_s` unexported). Calls on an ended or removed session answer 410; a small
 tombstone table remembers removed ids for that.
 
-Parent matching (SPEC §4). A request's parent is the latest interaction whose request messages +
-returned assistant message are a prefix of the new request's messages (compared by
-`messages.message_key`) and whose tools are the same: the prompt is then extended token-exactly.
+End events. Whatever ends a session (an end call, finalize, the idle timeout), the store announces
+it once to its subscribers (`on_end`): each gets a `SessionEnd` and is awaited. The end call answers
+only once they are done (a repeated end call waits for the same announcement), and a subscriber that
+raises turns the end call into a 503 naming the session. The standalone proxy stage subscribes its
+durable spool this way (docs/rollout.md). A session exported while still open is taken whole by the
+exporter and announces nothing.
+
+Parent matching (docs/proxy.md, "Token-exact multi-turn"). A request's parent is the latest
+interaction whose request messages + returned assistant message are a prefix of the new request's
+messages (compared by `messages.message_key`) and whose tools are the same: the prompt is then
+extended token-exactly.
 Failing that, the interaction sharing the longest message prefix with the request (at least one
 message) becomes the parent with a *prefix break* (the agent edited its history): the prompt is
 re-rendered in full and concat export starts a new row there. No shared message -> a new root.
@@ -21,18 +29,21 @@ A request identical to an earlier one (a retry, or one of `n` choices) is that o
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import secrets
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pipeline.proxy.control import RUN_STATUSES, ExportedSession
 from pipeline.proxy.errors import ApiError
 from pipeline.proxy.messages import MessageKey, common_prefix_len, prefix_hashes
-from pipeline.trajectory import Interaction, SessionTree
+from pipeline.trajectory import ExportStyle, Interaction, SessionTree, TrajectoryError
 from schemas.config.proxy import ProxyConfig
 
 log = logging.getLogger("arl.proxy.sessions")
@@ -42,6 +53,20 @@ _ID_LEN = 16
 _TOMBSTONES = 100_000
 
 KeyKind = Literal["admin", "client", "session"]
+
+
+@dataclass(frozen=True)
+class SessionEnd:
+    """A finished session, as the store announces it to its subscribers."""
+
+    session_id: str
+    reason: str
+    """What ended it: "end_session", "finalize" or "timeout"."""
+    run_status: str
+    """"ok", "failed" or "rejected": the `x-arl-run-status` header of the end call ("ok" for a timeout)."""
+
+
+EndHook = Callable[[SessionEnd], Awaitable[None]]
 
 
 @dataclass
@@ -81,9 +106,13 @@ class Session:
     tree: SessionTree
     created_at: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)
-    ended: str | None = None  # why: "end_session", "finalize", "timeout"
+    ended: str | None = None  # why: "end_session", "finalize", "timeout", "exported"
     ended_at: float | None = None
-    inflight: int = 0
+    run_status: str = "ok"
+    announced: asyncio.Task[None] | None = None
+    """The end announcement to subscribers (None: no subscriber, or ended by an export)."""
+    _inflight: int = 0
+    _idle: asyncio.Event | None = None  # created only while someone waits for the calls in flight
     prefix_breaks: int = 0
     nodes: list[_Node] = field(default_factory=list)
     by_id: dict[str, _Node] = field(default_factory=dict)
@@ -96,6 +125,30 @@ class Session:
 
     def touch(self) -> None:
         self.last_active = time.monotonic()
+
+    @property
+    def inflight(self) -> int:
+        """LLM calls of this session being served right now."""
+        return self._inflight
+
+    @inflight.setter
+    def inflight(self, value: int) -> None:
+        self._inflight = value
+        if value == 0 and self._idle is not None:
+            self._idle.set()
+            self._idle = None
+
+    async def wait_idle(self, timeout_s: float) -> None:
+        """Return once no call is in flight; 409 naming the session if some still are after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self._inflight:
+            if self._idle is None:
+                self._idle = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._idle.wait(), max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                raise ApiError(409, f"session {self.id} still has {self._inflight} call(s) in flight after "
+                               f"{timeout_s:g}s") from None  # fmt: skip
 
     def find_parent(self, keys: list[MessageKey], tools: str) -> ParentMatch:
         """See the module docstring."""
@@ -157,6 +210,11 @@ class SessionStore:
         self.grants = 0
         self.started_total = 0
         self.prefix_breaks_total = 0
+        self._end_hooks: list[EndHook] = []
+
+    def on_end(self, hook: EndHook) -> None:
+        """Subscribe `hook` to every session's end (see the module docstring)."""
+        self._end_hooks.append(hook)
 
     # -- keys -------------------------------------------------------------------------------
     def identify(self, key: str | None) -> Caller:
@@ -217,10 +275,43 @@ class SessionStore:
             raise ApiError(410, f"session {session.id} has ended ({session.ended}): no more calls are accepted",
                            code="session_ended")  # fmt: skip
 
-    def end(self, session: Session, reason: str) -> None:
+    async def end(self, session: Session, reason: str, run_status: str = "ok") -> None:
+        """End `session` (a no-op if it has ended) and return once its end is announced; 503 if that failed."""
+        if session.ended is None:
+            self._mark_ended(session, reason)
+            session.run_status = run_status if run_status in RUN_STATUSES else "ok"
+            if self._end_hooks:
+                event = SessionEnd(session.id, reason, session.run_status)
+                session.announced = asyncio.create_task(self._announce(event), name=f"session-end-{session.id}")
+        if session.announced is not None:
+            try:  # shielded: a caller that goes away does not cut the save short for the others
+                await asyncio.shield(session.announced)
+            except Exception as exc:
+                raise ApiError(503, f"session {session.id} ended, but the proxy could not save it "
+                               f"({type(exc).__name__}: {exc}); it will not be trained on") from exc  # fmt: skip
+
+    async def _announce(self, event: SessionEnd) -> None:
+        for hook in self._end_hooks:
+            await hook(event)
+
+    def _mark_ended(self, session: Session, reason: str) -> None:
         if session.ended is None:
             session.ended = reason
             session.ended_at = time.monotonic()
+
+    def export(self, session: Session, style: ExportStyle, discount: float) -> ExportedSession:
+        """The session's rows (no step assigned); removes the session. 409 while calls are in flight."""
+        if session.inflight:
+            raise ApiError(409, f"session {session.id} has {session.inflight} call(s) in flight: end the session and "
+                           "let its calls finish before exporting")  # fmt: skip
+        self._mark_ended(session, "exported")
+        try:
+            rows = session.tree.export(style, discount)
+        except TrajectoryError as exc:
+            raise ApiError(400, f"cannot export session {session.id}: {exc}") from None
+        exported = ExportedSession(session.id, session.tree.group_id, rows, len(session.tree), session.prefix_breaks)
+        self.remove(session.id, "exported")
+        return exported
 
     def get(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
@@ -239,20 +330,24 @@ class SessionStore:
         while len(self._tombstones) > _TOMBSTONES:
             self._tombstones.popitem(last=False)
 
-    def sweep(self, now: float | None = None) -> tuple[list[str], list[str]]:
-        """End sessions idle past the timeout; drop ended ones unexported for another timeout."""
+    async def sweep(self, now: float | None = None) -> tuple[list[str], list[str]]:
+        """End sessions idle past the timeout (announced like any end); drop ended ones unexported for another
+        timeout. A subscriber failing on a timed-out session is logged here (it has no end call to answer)."""
         now = time.monotonic() if now is None else now
         timeout = self.config.session_timeout_s
-        ended, removed = [], []
+        idle, removed = [], []
         for session in list(self.sessions.values()):
-            if session.inflight:
+            if session.inflight or (session.announced is not None and not session.announced.done()):
                 continue
             if session.ended is None and now - session.last_active >= timeout:
-                self.end(session, "timeout")
-                ended.append(session.id)
+                idle.append(session)
             elif session.ended is not None and now - max(session.last_active, session.ended_at or 0) >= timeout:
                 self.remove(session.id, "expired unexported")
                 removed.append(session.id)
-        if ended or removed:
-            log.info("idle sweep: ended %d sessions, removed %d unexported ones", len(ended), len(removed))
-        return ended, removed
+        if idle or removed:
+            log.info("idle sweep: ending %d sessions, removed %d unexported ones", len(idle), len(removed))
+        results = await asyncio.gather(*(self.end(s, "timeout") for s in idle), return_exceptions=True)
+        for session, result in zip(idle, results, strict=True):
+            if isinstance(result, BaseException):
+                log.error("session %s timed out, but its end could not be handled: %s", session.id, result)
+        return [s.id for s in idle], removed

@@ -1,6 +1,6 @@
 """Agents: how the config names one, what it must look like, and what its return value means.
 
-Two interfaces are accepted (SPEC §6):
+Two interfaces are accepted (docs/rollout.md, "Agents"):
 
 * **run agents**: `run(self, data: dict, **kwargs)`, usually `async def`. The kwargs offered are
   `base_url` (`<proxy>/v1`, for the OpenAI SDK), `anthropic_base_url` (`<proxy>`, for the Anthropic
@@ -24,23 +24,14 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
-import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pipeline.errors import ArlError
+from pipeline.outcome import AgentError
 
 OFFERED_KWARGS = ("base_url", "anthropic_base_url", "api_key", "http_client", "temperature")
-
-
-class AgentError(ArlError):
-    """The configured agent cannot be loaded or does not follow the agent contract."""
-
-
-class AgentReturnError(AgentError, TypeError):
-    """An agent run returned something other than a number, a dict of rewards or None."""
 
 
 @dataclass(frozen=True)
@@ -58,17 +49,6 @@ class Agent:
         if self.accepts is None:
             return dict(offered)
         return {k: v for k, v in offered.items() if k in self.accepts}
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """An agent's return value, interpreted."""
-
-    rejected: bool
-    reward: float | None = None
-    """Reward of the last completion (a numeric return)."""
-    rewards: dict[str, float] = field(default_factory=dict)
-    """Rewards by interaction id (a dict return)."""
 
 
 def load_object(spec: str) -> Any:
@@ -179,32 +159,3 @@ def _accepted_kwargs(run: Any, spec: str) -> frozenset[str] | None:
     if not positional and not any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
         raise AgentError(f"agent {spec!r}: run{inspect.signature(run)} takes no `data` argument")
     return frozenset(p.name for p in params[1:] if p.kind is not inspect.Parameter.POSITIONAL_ONLY)
-
-
-def interpret_result(value: Any, spec: str = "agent") -> Outcome:
-    """float → last completion's reward; dict id → reward; None → rejected; anything else → error."""
-    if value is None:
-        return Outcome(rejected=True)
-    if isinstance(value, bool | int | float) or _is_numpy_scalar(value):
-        reward = float(value)
-        if not math.isfinite(reward):
-            raise AgentReturnError(f"agent {spec!r} returned a non-finite reward {reward!r}")
-        return Outcome(rejected=False, reward=reward)
-    if isinstance(value, dict):
-        rewards: dict[str, float] = {}
-        for key, item in value.items():
-            if not isinstance(key, str) or not isinstance(item, bool | int | float) or not math.isfinite(float(item)):
-                raise AgentReturnError(
-                    f"agent {spec!r} returned a dict with entry {key!r}: {item!r}; a reward dict maps interaction "
-                    "ids (str, the `id` of each completion) to finite numbers"
-                )
-            rewards[key] = float(item)
-        return Outcome(rejected=False, rewards=rewards)
-    raise AgentReturnError(
-        f"agent {spec!r} returned {type(value).__name__} {str(value)[:200]!r}; return a number (the last completion's "
-        "reward), a dict {interaction_id: reward}, or None to reject the run"
-    )
-
-
-def _is_numpy_scalar(value: Any) -> bool:
-    return type(value).__module__ == "numpy" and hasattr(value, "item") and isinstance(value.item(), int | float)

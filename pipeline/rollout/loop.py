@@ -1,9 +1,10 @@
 """The rollout stage's loop: one complete, versioned step of trajectories at a time.
 
 Per step k (`produce_step`): wait for weights of version >= k - max_staleness → run the step's
-prompts × group_size through the agent (each run is one proxy session: admitted through the
-capacity gate, rewarded, ended, exported) → filter (rejected runs, stale samples, constant groups)
-→ check the error rate → publish shards + manifest → record the cursor → log metrics.
+prompts × group_size through the agent (each run is one proxy session, driven in process through
+`ProxyControl`: admitted through the capacity gate, rewarded, ended, exported as typed rows) →
+filter (rejected runs, stale samples, constant groups) → check the error rate → publish shards +
+manifest → record the cursor → log metrics. docs/rollout.md describes the loop.
 
 Resume: the first step in [0, num_steps) without a manifest is redone whole (a step killed midway
 left at most a staging dir, which `write_step` removes). `--step N` redoes exactly step N. The
@@ -20,15 +21,16 @@ from typing import Any
 from pipeline.errors import ArlError
 from pipeline.metrics import MetricsSink
 from pipeline.paths import RunPaths
+from pipeline.proxy.control import ExportedSession, NoCapacity, ProxyAPIError, ProxyControl, SessionInfo
 from pipeline.rollout.agents import Agent, resolve_agent
 from pipeline.rollout.data import Prompt, Schedule, check_cursor, load_rows, write_cursor
 from pipeline.rollout.metrics import StepTally, drop_constant_groups
 from pipeline.rollout.progress import StepProgress
-from pipeline.rollout.proxy_api import NoCapacity, ProxyAPI, ProxyAPIError, SessionAPI
 from pipeline.rollout.runner import Executor, InlineExecutor, RunContext, RunReport, SubprocExecutor
 from pipeline.rollout.staleness import required_version, split_stale, wait_for_version
 from pipeline.stage import StageContext
 from schemas.config import ArlConfig
+from schemas.trajectory import TrajectoryRow
 
 log = logging.getLogger("arl.rollout")
 
@@ -45,7 +47,7 @@ class Rollout:
     paths: RunPaths
     schedule: Schedule
     executor: Executor
-    admin: ProxyAPI
+    control: ProxyControl
     proxy_url: str
     engine: Any
     sink: MetricsSink
@@ -70,7 +72,7 @@ async def run_rollout(ctx: StageContext) -> list[int]:
     sink = open_sink(paths)
     async with open_services(config, paths, name="rollout") as services:
         executor = make_executor(agent, config, services.http)
-        rollout = Rollout(config, paths, schedule, executor, services.admin, services.proxy_url,
+        rollout = Rollout(config, paths, schedule, executor, services.control, services.proxy_url,
                           services.engine, sink, config.model.tokenizer or config.model.path)  # fmt: skip
         try:
             for step in steps:
@@ -127,13 +129,13 @@ async def produce_step(ro: Rollout, step: int) -> None:
              tally.dropped_stale)  # fmt: skip
 
 
-async def run_step_sessions(ro: Rollout, step: int, prompts: list[Prompt], tally: StepTally) -> list[dict[str, Any]]:
+async def run_step_sessions(ro: Rollout, step: int, prompts: list[Prompt], tally: StepTally) -> list[TrajectoryRow]:
     """batch_size × group_size runs, at most `max_concurrency` at once; the exported rows of them all."""
     cfg = ro.config.rollout
     limit = asyncio.Semaphore(cfg.max_concurrency)
     progress = StepProgress(step, len(prompts) * cfg.group_size)
 
-    async def one(prompt: Prompt, run_index: int) -> list[dict[str, Any]]:
+    async def one(prompt: Prompt, run_index: int) -> list[TrajectoryRow]:
         async with limit:
             rows = await run_session(ro, step, prompt, run_index, tally)
         progress.advance(tally)
@@ -148,43 +150,42 @@ async def run_step_sessions(ro: Rollout, step: int, prompts: list[Prompt], tally
     return [row for task in tasks for row in task.result()]
 
 
-async def run_session(ro: Rollout, step: int, prompt: Prompt, run_index: int, tally: StepTally) -> list[dict[str, Any]]:
+async def run_session(ro: Rollout, step: int, prompt: Prompt, run_index: int, tally: StepTally) -> list[TrajectoryRow]:
     """One agent run in its own proxy session; its samples (none if rejected or failed)."""
     cfg = ro.config.rollout
     group_id = f"step{step:06d}-p{prompt.position}"
     metadata = {"step": step, "dataset_index": prompt.index, "epoch": prompt.epoch,
                 "position": prompt.position, "run_index": run_index}  # fmt: skip
-    session = await admit_session(ro.admin, group_id, metadata, cfg.run_timeout_s)
+    session = await admit_session(ro.control, group_id, metadata, cfg.run_timeout_s)
     report = await ro.executor.run(prompt.data, RunContext(ro.proxy_url, session, cfg.temperature), cfg.run_timeout_s)
-    session_api = SessionAPI(ro.proxy_url, session, ro.admin.http)
-    report = await apply_rewards(session_api, report)
-    await end_quietly(session_api)
-    exported = await export_session(ro.admin, session.session_id, cfg.export_style, cfg.discount)
+    report = await apply_rewards(ro.control, session.session_id, report)
+    await end_quietly(ro.control, session.session_id)
+    exported = await export_session(ro.control, session.session_id, cfg.export_style, cfg.discount)
     if exported is None:
         report = RunReport(None, report.error or "the session could not be exported (see the warning above)",
                            report.timed_out, report.duration_s)  # fmt: skip
-        exported = {"samples": []}
-    samples = [{**row, "step": step} for row in exported["samples"]]
-    if report.outcome is None:
+    if report.outcome is None or exported is None:
         log.warning("agent run failed (session %s, dataset row %d):\n%s", session.session_id, prompt.index,
                     report.error)  # fmt: skip
         tally.add_error(report.error or "unknown error", timed_out=report.timed_out)
         return []
     rejected = report.outcome.rejected
-    tally.add_finished(rejected=rejected, num_interactions=int(exported.get("num_interactions", 0)),
-                       prefix_breaks=int(exported.get("prefix_breaks", 0)), samples=len(samples))  # fmt: skip
+    samples = [row.at_step(step) for row in exported.rows]
+    tally.add_finished(rejected=rejected, num_interactions=exported.num_interactions,
+                       prefix_breaks=exported.prefix_breaks, samples=len(samples))  # fmt: skip
     return [] if rejected else samples
 
 
-async def admit_session(admin: ProxyAPI, group_id: str, metadata: dict[str, Any], patience_s: float) -> Any:
+async def admit_session(control: ProxyControl, group_id: str, metadata: dict[str, Any],
+                        patience_s: float) -> SessionInfo:  # fmt: skip
     """Grant one unit of capacity and start the session; retry briefly while the proxy is full (429)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + patience_s
     delay = 0.05
-    await admin.grant_capacity()
+    await control.grant_capacity()
     while True:
         try:
-            return await admin.start_session(group_id, metadata)
+            return await control.start_session(group_id, metadata)
         except NoCapacity as exc:
             if loop.time() > deadline:
                 raise ArlError(f"the proxy refused new sessions for {patience_s:g}s ({exc}); raise proxy.max_sessions "
@@ -193,37 +194,32 @@ async def admit_session(admin: ProxyAPI, group_id: str, metadata: dict[str, Any]
             delay = min(delay * 2, 1.0)
 
 
-async def export_session(admin: ProxyAPI, session_id: str, style: str, discount: float,
-                         patience_s: float = 30.0) -> dict[str, Any] | None:  # fmt: skip
+async def export_session(control: ProxyControl, session_id: str, style: str,
+                         discount: float) -> ExportedSession | None:  # fmt: skip
     """Export a session; None if the proxy refuses it (the run is then lost, not the step).
 
-    A 409 means calls of the session are still in flight, e.g. after a timed-out agent was
-    cancelled mid-request: the proxy finishes or aborts them shortly, so retry for a while.
+    In process (`LocalControl`) the export first waits, with a deadline, for calls of the session
+    still in flight, e.g. after a timed-out agent was cancelled mid-request.
     """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + patience_s
-    while True:
-        try:
-            return await admin.export(session_id, style=style, discount=discount)
-        except ProxyAPIError as exc:
-            if exc.status is None or exc.status >= 500:
-                raise
-            if exc.status != 409 or loop.time() > deadline:
-                log.warning("session %s could not be exported; its run yields no samples: %s", session_id, exc)
-                return None
-        await asyncio.sleep(0.2)
+    try:
+        return await control.export(session_id, style=style, discount=discount)
+    except ProxyAPIError as exc:
+        if exc.status is None or exc.status >= 500:
+            raise
+        log.warning("session %s could not be exported; its run yields no samples: %s", session_id, exc)
+        return None
 
 
-async def apply_rewards(session: SessionAPI, report: RunReport) -> RunReport:
-    """Send the agent's returned rewards to the proxy; a reward the proxy refuses fails the run."""
+async def apply_rewards(control: ProxyControl, session_id: str, report: RunReport) -> RunReport:
+    """Give the proxy the agent's returned rewards; a reward the proxy refuses fails the run."""
     outcome = report.outcome
     if outcome is None or outcome.rejected:
         return report
     try:
         if outcome.reward is not None:
-            await session.set_reward(outcome.reward)
+            await control.set_reward(session_id, outcome.reward)
         for interaction_id, reward in outcome.rewards.items():
-            await session.set_reward(reward, interaction_id)
+            await control.set_reward(session_id, reward, interaction_id)
     except ProxyAPIError as exc:
         if exc.status is None or exc.status >= 500:
             raise
@@ -233,17 +229,17 @@ async def apply_rewards(session: SessionAPI, report: RunReport) -> RunReport:
     return report
 
 
-async def end_quietly(session: SessionAPI) -> None:
-    """End the session; an agent may already have ended it itself (the proxy then answers 4xx)."""
+async def end_quietly(control: ProxyControl, session_id: str) -> None:
+    """End the session; an agent may already have ended it itself (a no-op then, or a 4xx over HTTP)."""
     try:
-        await session.end()
+        await control.end_session(session_id)
     except ProxyAPIError as exc:
         if exc.status is None or exc.status >= 500:
             raise
-        log.debug("end_session for %s answered %s", session.session.session_id, exc.status)
+        log.debug("end_session for %s answered %s", session_id, exc.status)
 
 
-def filter_rows(rows: list[dict[str, Any]], step: int, config: ArlConfig, tally: StepTally) -> list[dict[str, Any]]:
+def filter_rows(rows: list[TrajectoryRow], step: int, config: ArlConfig, tally: StepTally) -> list[TrajectoryRow]:
     """Drop samples older than the staleness bound and (if configured) groups with constant rewards."""
     rows, tally.dropped_stale = split_stale(rows, step, config.rollout.max_staleness)
     if tally.dropped_stale:
@@ -262,12 +258,17 @@ def check_error_rate(tally: StepTally, max_rate: float, step: int) -> None:
         )
 
 
-def publish_step(ro: Rollout, step: int, rows: list[dict[str, Any]], stats: dict[str, Any]) -> None:
+def publish_step(ro: Rollout, step: int, rows: list[TrajectoryRow], stats: dict[str, Any]) -> None:
     from pipeline.shards import write_step
 
-    rows.sort(key=lambda r: (r["group_id"], r["session_id"], r["sample_id"]))  # stable file order
+    rows.sort(key=sort_key)  # stable file order
     write_step(ro.paths, step, rows, producer="rollout", tokenizer=ro.tokenizer, extra=stats)
     write_cursor(ro.paths.rollout_state, ro.schedule, step, ro.config.rollout.dataset.path)
+
+
+def sort_key(row: TrajectoryRow) -> tuple[str, str, str]:
+    """The order rows are written in: by group, session, sample (deterministic files for a step)."""
+    return row.group_id, row.session_id, row.sample_id
 
 
 def _fmt(value: float | None) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.rollout.staleness import staleness_histogram
+from schemas.trajectory import TrajectoryRow
 
 
 @dataclass
@@ -54,17 +55,17 @@ class StepTally:
     def error_rate(self) -> float:
         return self.agent_errors / self.runs if self.runs else 0.0
 
-    def summary(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def summary(self, rows: list[TrajectoryRow]) -> dict[str, Any]:
         """Numbers for the metrics line; `rows` are the samples that will be published."""
         elapsed = max(time.monotonic() - self.started, 1e-9)
-        rewards = [float(r["reward"]) for r in rows]
-        tokens = sum(len(r["input_ids"]) for r in rows)
-        sampled = sum(sum(r["loss_mask"]) for r in rows)
+        rewards = [float(r.reward) for r in rows]
+        tokens = sum(len(r.input_ids) for r in rows)
+        sampled = sum(sum(r.loss_mask) for r in rows)
         return {
             "reward_mean": _mean(rewards), "reward_std": _std(rewards),
             "reward_min": min(rewards) if rewards else None, "reward_max": max(rewards) if rewards else None,
-            "samples": len(rows), "groups": len({r["group_id"] for r in rows}),
-            "sessions": len({r["session_id"] for r in rows}),
+            "samples": len(rows), "groups": len({r.group_id for r in rows}),
+            "sessions": len({r.session_id for r in rows}),
             "tokens": tokens, "sampled_tokens": sampled,
             "sample_len_mean": tokens / len(rows) if rows else None,
             "turns_mean": _mean([float(t) for t in self.turns]),
@@ -90,11 +91,11 @@ def _std(values: list[float]) -> float | None:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
 
 
-def drop_constant_groups(rows: list[dict[str, Any]], tol: float = 1e-8) -> tuple[list[dict[str, Any]], int, int]:
+def drop_constant_groups(rows: list[TrajectoryRow], tol: float = 1e-8) -> tuple[list[TrajectoryRow], int, int]:
     """Remove groups whose rewards do not vary (no GRPO signal): (kept rows, groups dropped, rows dropped)."""
     by_group: dict[str, list[float]] = {}
     for row in rows:
-        by_group.setdefault(row["group_id"], []).append(float(row["reward"]))
+        by_group.setdefault(row.group_id, []).append(float(row.reward))
     constant = {g for g, rs in by_group.items() if max(rs) - min(rs) <= tol}
-    kept = [r for r in rows if r["group_id"] not in constant]
+    kept = [r for r in rows if r.group_id not in constant]
     return kept, len(constant), len(rows) - len(kept)

@@ -24,8 +24,9 @@ from typing import Any, Protocol
 import httpx
 
 from pipeline.errors import ArlError
-from pipeline.rollout.agents import Agent, AgentError, Outcome, interpret_result, load_object
-from pipeline.rollout.proxy_api import SessionAPI, SessionInfo, root_url
+from pipeline.outcome import AgentError, Outcome, interpret_result
+from pipeline.proxy.control import SessionClient, SessionInfo, root_url
+from pipeline.rollout.agents import Agent, load_object
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class SessionEngine:
         self.session_id = ctx.session.session_id
         self.temperature = ctx.temperature
         self.http_client = http_client
-        self._session_api = SessionAPI(root, ctx.session, http_client)
+        self._session_api = SessionClient(root, ctx.session, http_client)
         self._openai: Any = None
         self._anthropic: Any = None
 

@@ -2,8 +2,10 @@
 
 `open_services` waits (with a deadline) for the inference servers to register, starts the proxy
 in this process, publishes `registry/proxy/<name>.json` (URL, host, pid, never a key) and yields
-an admin `ProxyAPI` that talks to the proxy over HTTP. The admin key comes from `proxy.admin_key`
-or is generated and kept in `state/proxy_admin_key` (mode 600) so operators can use it.
+the proxy's in-process control (`pipeline.proxy.local.LocalControl`: the session store, called
+directly). Agents reach the proxy over HTTP at its URL. The admin key, which only operators use
+(over HTTP), comes from `proxy.admin_key` or is generated and kept in `state/proxy_admin_key`
+(mode 600).
 """
 
 from __future__ import annotations
@@ -14,34 +16,38 @@ import logging
 import os
 import secrets
 import socket
-import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from pipeline.handoff import fsync_dir, wait_for, write_json_atomic
 from pipeline.paths import RunPaths
-from pipeline.rollout.proxy_api import ProxyAPI
 from schemas.config import ArlConfig
+
+if TYPE_CHECKING:
+    from pipeline.engine.client import EngineClient
+    from pipeline.proxy.local import LocalControl
+    from pipeline.proxy.server import ProxyServer
+    from pipeline.proxy.sessions import EndHook
 
 log = logging.getLogger("arl.rollout")
 
 
 @dataclass
 class Services:
-    engine: Any
-    """`pipeline.engine.client.EngineClient` over the registered servers."""
+    engine: EngineClient
+    """Over the registered inference servers."""
+    proxy: ProxyServer
+    control: LocalControl
+    """The proxy's sessions, driven in this process."""
     proxy_url: str
-    admin: ProxyAPI
     http: httpx.AsyncClient
-    """Shared by the rollout's own calls and inline agents (connection reuse)."""
-    proxy: Any
-    """`pipeline.proxy.server.ProxyServer` (for callers that extend its app before it starts, see `open_services`)."""
+    """For inline agents' calls to the proxy (shared: connection reuse)."""
 
 
 def admin_key_for(config: ArlConfig, paths: RunPaths) -> str:
@@ -87,13 +93,12 @@ def registry_entry(url: str) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def open_services(config: ArlConfig, paths: RunPaths, *, name: str, proxy_config: Any = None,
-                        app_hook: Any = None) -> AsyncIterator[Services]:  # fmt: skip
-    """Engine client + in-process proxy + its registry entry; all closed/removed on exit.
-
-    `app_hook(app)` may wrap the proxy's FastAPI app before it starts serving (the standalone proxy
-    adds a session observer there).
-    """
+async def open_services(
+    config: ArlConfig, paths: RunPaths, *, name: str, subscribe: Callable[[LocalControl], EndHook] | None = None
+) -> AsyncIterator[Services]:
+    """Engine client + in-process proxy (listening once this yields) + its registry entry; all closed/removed
+    on exit. `subscribe(control)` returns a hook for the proxy's session ends (`SessionStore.on_end`),
+    subscribed before the proxy listens, so that no end is missed."""
     from pipeline.engine.client import EngineClient
     from pipeline.engine.registry import urls_from_registry
     from pipeline.proxy.server import ProxyServer
@@ -101,10 +106,9 @@ async def open_services(config: ArlConfig, paths: RunPaths, *, name: str, proxy_
     await wait_for_servers(paths, config.inference.startup_timeout_s)
     engine = EngineClient(urls_from_registry(paths), request_timeout_s=config.inference.request_timeout_s)
     await engine.start()
-    key = admin_key_for(config, paths)
-    proxy = ProxyServer(config.model, proxy_config or config.proxy, engine, admin_key=key)
-    if app_hook is not None:
-        app_hook(proxy.app)
+    proxy = ProxyServer(config.model, config.proxy, engine, admin_key=admin_key_for(config, paths))
+    if subscribe is not None:
+        proxy.store.on_end(subscribe(proxy.control))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     http = httpx.AsyncClient(timeout=httpx.Timeout(config.rollout.run_timeout_s + 60), limits=limits)
     entry = paths.proxy_entry(name)
@@ -112,13 +116,7 @@ async def open_services(config: ArlConfig, paths: RunPaths, *, name: str, proxy_
         url = await proxy.start()
         write_json_atomic(entry, registry_entry(url))
         log.info("proxy %s serving at %s (registry entry %s)", name, url, entry)
-        started = time.monotonic()
-        admin = ProxyAPI(url, key, http)
-        while not await admin.health():
-            if time.monotonic() - started > 30:
-                raise RuntimeError(f"the in-process proxy at {url} did not answer /health within 30 s")
-            await asyncio.sleep(0.1)
-        yield Services(engine=engine, proxy_url=url, admin=admin, http=http, proxy=proxy)
+        yield Services(engine=engine, proxy=proxy, control=proxy.control, proxy_url=url, http=http)
     finally:
         entry.unlink(missing_ok=True)
         await http.aclose()

@@ -2,14 +2,15 @@
 
 An outside agent moves on once its `/rl/end_session` (or `/rl/v1/finalize`) call succeeds, so a
 finished session held only in the stage's memory would be lost for good by a `kill -9`. The stage
-therefore exports each finished session and writes it to `state/proxy_spool/<session_id>.json`
-*before* the end call answers: a 2xx means the session is on disk.
+therefore subscribes to the proxy's session ends, exports each finished session and writes it to
+`state/proxy_spool/<session_id>.json` *before* the end call answers: a 2xx means the session is on
+disk (docs/rollout.md, "External agents").
 
 * **write** — one JSON file per session, published atomically (temp + fsync + rename + dir fsync):
-  the export as the proxy gave it (every shard column but `step`), the run status, its counts and
-  its finish time. JSON round-trips exactly: token ids are ints, and Python writes floats with
-  `repr` (the shortest string that reads back to the same double), so every logprob (a float32
-  value, widened) comes back with the same bits.
+  the exported rows in their wire form (`TrajectoryRow.to_wire`: every shard column but `step`), the
+  run status, its counts and its finish time. JSON round-trips exactly: token ids are ints, and
+  Python writes floats with `repr` (the shortest string that reads back to the same double), so
+  every logprob (a float32 value, widened) comes back with the same bits.
 * **load** (stage start) — leftover `*.tmp` files of a write cut by a kill are removed; a file that
   does not parse as a spooled session is renamed `<name>.corrupt` and reported (path and reason) at
   ERROR level: kept for a person, never trained on, never a crash. Sessions already in a published
@@ -34,6 +35,7 @@ from typing import Any
 from pipeline.errors import ArlError
 from pipeline.handoff import clean_stale_tmp, fsync_dir, write_bytes_atomic
 from pipeline.paths import RunPaths
+from schemas.trajectory import TrajectoryRow
 
 log = logging.getLogger("arl.proxy.spool")
 
@@ -60,13 +62,14 @@ class SpooledSession:
     """Wall-clock seconds when the stage recorded it: the order sessions fill steps in, across restarts."""
     num_interactions: int = 0
     prefix_breaks: int = 0
-    samples: tuple[dict[str, Any], ...] = ()
-    """The exported rows: every shard column but `step` (`created_at` in epoch ms)."""
+    samples: tuple[TrajectoryRow, ...] = ()
+    """The exported rows (no step assigned yet)."""
 
     def to_json(self) -> bytes:
         record = {"format": SPOOL_FORMAT, "session_id": self.session_id, "status": self.status,
                   "finished_at": self.finished_at, "num_interactions": self.num_interactions,
-                  "prefix_breaks": self.prefix_breaks, "samples": list(self.samples)}  # fmt: skip
+                  "prefix_breaks": self.prefix_breaks,
+                  "samples": [row.to_wire() for row in self.samples]}  # fmt: skip
         return json.dumps(record, separators=(",", ":")).encode()
 
     @classmethod
@@ -78,16 +81,18 @@ class SpooledSession:
         if not isinstance(data, dict) or data.get("format") != SPOOL_FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise SpoolError(f"{where}: not a spooled session of format {SPOOL_FORMAT} (format {found!r})")
+        samples = data.get("samples")
+        if not isinstance(samples, list) or not all(isinstance(s, dict) for s in samples):
+            raise SpoolError(f"{where}: samples must be a list of row objects")
         try:
             record = cls(session_id=_session_id(data["session_id"]), status=str(data["status"]),
                          finished_at=float(data["finished_at"]), num_interactions=int(data["num_interactions"]),
-                         prefix_breaks=int(data["prefix_breaks"]), samples=tuple(data["samples"]))  # fmt: skip
+                         prefix_breaks=int(data["prefix_breaks"]),
+                         samples=tuple(TrajectoryRow.from_wire(s) for s in samples))  # fmt: skip
         except (KeyError, TypeError, ValueError) as exc:
             raise SpoolError(f"{where}: missing or malformed field ({type(exc).__name__}: {exc})") from None
         if record.status not in STATUSES:
             raise SpoolError(f"{where}: status {record.status!r} is not one of {list(STATUSES)}")
-        if not all(isinstance(s, dict) for s in record.samples):
-            raise SpoolError(f"{where}: samples must be a list of row objects")
         return record
 
 

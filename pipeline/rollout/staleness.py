@@ -1,4 +1,4 @@
-"""Staleness control (SPEC §2): rollout of step k may use weights of version >= k - max_staleness.
+"""Staleness control: rollout of step k may use weights of version >= k - max_staleness (docs/rollout.md).
 
 Enforced twice. Before a step's sessions are admitted, the rollout waits until both the trainer's
 published version (`state/weight_version.json`; version 0 needs no file) and every engine server's
@@ -14,11 +14,11 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from pipeline.errors import WaitTimeout
 from pipeline.paths import RunPaths
 from pipeline.weight_version import published_version
+from schemas.trajectory import TrajectoryRow
 
 log = logging.getLogger("arl.rollout")
 
@@ -65,20 +65,20 @@ async def wait_for_version(
     )
 
 
-def oldest_version(row: dict[str, Any]) -> int:
+def oldest_version(row: TrajectoryRow) -> int:
     """The oldest weight version among a sample's sampled tokens."""
-    sampled = [v for v, m in zip(row["versions"], row["loss_mask"], strict=True) if m]
+    sampled = [v for v, m in zip(row.versions, row.loss_mask, strict=True) if m]
     return min(sampled) if sampled else -1
 
 
-def split_stale(rows: list[dict[str, Any]], step: int, max_staleness: int) -> tuple[list[dict[str, Any]], int]:
+def split_stale(rows: list[TrajectoryRow], step: int, max_staleness: int) -> tuple[list[TrajectoryRow], int]:
     """(rows within the bound, number dropped for an older token)."""
     bound = required_version(step, max_staleness)
     kept = [r for r in rows if oldest_version(r) >= bound]
     return kept, len(rows) - len(kept)
 
 
-def staleness_histogram(rows: list[dict[str, Any]], step: int) -> dict[str, int]:
+def staleness_histogram(rows: list[TrajectoryRow], step: int) -> dict[str, int]:
     """Samples by staleness = step - oldest sampled version (string keys: it goes to JSON)."""
     counts = Counter(step - oldest_version(r) for r in rows)
     return {str(k): counts[k] for k in sorted(counts)}

@@ -13,6 +13,7 @@ import pytest
 from pipeline.paths import RunPaths
 from pipeline.shards import write_step
 from pipeline.trajectory import Interaction, SessionTree
+from schemas.trajectory import rows_from_dicts
 
 REPO = Path(__file__).resolve().parents[2]
 ARL = REPO / ".venv" / "bin" / "arl"
@@ -131,7 +132,7 @@ def test_missing_tokenizer_falls_back_to_ids(tmp_path: Path, run_dir: RunPaths) 
 
     paths = RunPaths(tmp_path / "run")
     table = read_step(run_dir, 1).to_pylist()
-    write_step(paths, 1, table, producer="rollout", tokenizer="/nonexistent/tokenizer")
+    write_step(paths, 1, rows_from_dicts(table), producer="rollout", tokenizer="/nonexistent/tokenizer")
     result = arl(str(paths.root), "--decode")
     assert result.returncode == 0, result.stderr
     assert "tokenizer /nonexistent/tokenizer not found" in result.stdout.replace("\n", "")

@@ -28,7 +28,7 @@ CLIENT_KEY = "ck-test-team"
 
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_dir: Path) -> Iterator[str]:
-    from pipeline.engine.testing import start_hf_server
+    from pipeline.engine.server.hf import start_hf_server
 
     with start_hf_server(tiny_model_dir) as handle:
         yield handle.url
@@ -152,8 +152,8 @@ async def test_a_session_that_cannot_be_spooled_answers_503_and_stops_the_stage(
                                                                                 engine_url: str) -> None:  # fmt: skip
     """A 2xx end call promises the session is on disk; when it cannot be written, the agent is told."""
     from pipeline.client import AgentSession
+    from pipeline.proxy.control import ProxyAPIError
     from pipeline.rollout.external import run_external
-    from pipeline.rollout.proxy_api import ProxyAPIError
 
     config, paths = make_run(tmp_path, tiny_model_dir, engine_url, max_staleness=1)
     stage = asyncio.create_task(run_external(StageContext("proxy", paths, config)))

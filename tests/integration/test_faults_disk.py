@@ -110,13 +110,14 @@ def fsize_failures(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     from pipeline.handoff import write_text_atomic
     from pipeline.shards import write_step
     from pipeline.trainer.synthetic import add_behaviour_logprobs, synthetic_rows
+    from schemas.trajectory import rows_from_dicts
 
     root = tmp_path_factory.mktemp("fsize")
     config = load_config(None, [f"fileroot={root}", "experiment_name=x", "trial_name=train",
                                 f"model.path={tiny_model_dir}", "trainer.device=cpu", *TRAIN_OVERRIDES])  # fmt: skip
     train_paths = RunPaths.from_config(config.fileroot, config.experiment_name, config.trial_name)
     write_text_atomic(train_paths.config, dump_config(config))
-    rows = add_behaviour_logprobs(synthetic_rows(0), tiny_model_dir)
+    rows = rows_from_dicts(add_behaviour_logprobs(synthetic_rows(0), tiny_model_dir))
     write_step(train_paths, 0, rows, producer="rollout", tokenizer=str(tiny_model_dir))
     trained = train(train_paths, file_size_limit(512 * 1024))  # the tiny checkpoint is ~1.6 MB
     shard_paths = RunPaths(root / "shards")

@@ -3,6 +3,7 @@ real Parquet, a crash between publishing a step and removing its spool files, an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import struct
@@ -20,20 +21,21 @@ from pipeline.rollout.metrics import StepTally
 from pipeline.rollout.spool import CONSUMED_KEY, Spool, SpooledSession
 from pipeline.shards import read_manifest, read_step
 from pipeline.trainer.synthetic import synthetic_rows
+from schemas.trajectory import rows_from_dicts
 
 
 def _records(seed: int = 0, groups: int = 2, group_size: int = 2) -> list[SpooledSession]:
     """One spooled session per synthetic row, with float32 logprobs that need every bit (tiny, huge, -0)."""
     rng = np.random.default_rng(seed)
     records = []
-    for i, row in enumerate(synthetic_rows(0, num_groups=groups, group_size=group_size, seed=seed)):
-        sampled = [m == 1 for m in row["loss_mask"]]
+    rows = rows_from_dicts(synthetic_rows(0, num_groups=groups, group_size=group_size, seed=seed))
+    for i, row in enumerate(rows):
+        sampled = [m == 1 for m in row.loss_mask]
         values = (-rng.exponential(3.0, len(sampled))).astype(np.float32)
         values[0] = np.float32(-1.1754944e-38)  # subnormal neighbourhood: a lossy float format changes it
         lps = [float(v) if s else 0.0 for v, s in zip(values, sampled, strict=True)]
-        sample = {k: v for k, v in row.items() if k != "step"}
-        sample.update(session_id=f"sess{seed}x{i:02d}", logprobs=lps)
-        records.append(SpooledSession(sample["session_id"], "ok", 1000.0 + i, num_interactions=1,
+        sample = dataclasses.replace(row, step=None, session_id=f"sess{seed}x{i:02d}", logprobs=lps)
+        records.append(SpooledSession(sample.session_id, "ok", 1000.0 + i, num_interactions=1,
                                       samples=(sample,)))  # fmt: skip
     return records
 
@@ -64,8 +66,8 @@ def test_spooled_session_round_trips_exactly_to_the_published_shard(tmp_path: Pa
     for record in records:
         (sample,) = record.samples
         row = published[record.session_id]
-        assert row["input_ids"] == sample["input_ids"] and row["versions"] == sample["versions"]
-        assert _bits(row["logprobs"]) == _bits(sample["logprobs"]), "float32 logprobs bit-exact"
+        assert row["input_ids"] == sample.input_ids and row["versions"] == sample.versions
+        assert _bits(row["logprobs"]) == _bits(sample.logprobs), "float32 logprobs bit-exact"
 
 
 def test_crash_between_publication_and_spool_removal_duplicates_nothing(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -19,12 +18,15 @@ from pipeline.rollout.staleness import (
     wait_for_version,
 )
 from pipeline.weight_version import published_version
+from schemas.trajectory import TrajectoryRow
 
 
-def _row(group: str, reward: float, versions: list[int], session: str = "s") -> dict[str, Any]:
+def _row(group: str, reward: float, versions: list[int], session: str = "s") -> TrajectoryRow:
     mask = [0, *([1] * len(versions))]
-    return {"group_id": group, "session_id": session, "reward": reward, "input_ids": list(range(len(mask))),
-            "loss_mask": mask, "versions": [-1, *versions]}  # fmt: skip
+    return TrajectoryRow(group_id=group, session_id=session, reward=reward, input_ids=list(range(len(mask))),
+                         loss_mask=mask, versions=[-1, *versions], logprobs=[0.0, *([-0.5] * len(versions))],
+                         sample_id=f"{session}-{len(versions)}", parent_id=None, prompt_len=1, num_turns=1,
+                         finish_reason="stop", created_at=1_700_000_000_000, metadata="{}")  # fmt: skip
 
 
 def test_required_version() -> None:
@@ -43,14 +45,14 @@ def test_published_version(tmp_path: Path) -> None:
 def test_stale_samples_are_dropped_and_counted() -> None:
     rows = [_row("g", 1.0, [4, 4]), _row("g", 1.0, [3, 4]), _row("g", 1.0, [2, 4])]
     kept, dropped = split_stale(rows, step=5, max_staleness=2)  # bound: version >= 3
-    assert dropped == 1 and [r["versions"] for r in kept] == [[-1, 4, 4], [-1, 3, 4]]
+    assert dropped == 1 and [r.versions for r in kept] == [[-1, 4, 4], [-1, 3, 4]]
     assert staleness_histogram(rows, 5) == {"1": 1, "2": 1, "3": 1}
 
 
 def test_constant_groups() -> None:
     rows = [_row("a", 1.0, [0]), _row("a", 1.0, [0]), _row("b", 0.0, [0]), _row("b", 1.0, [0])]
     kept, groups, samples = drop_constant_groups(rows)
-    assert (groups, samples) == (1, 2) and {r["group_id"] for r in kept} == {"b"}
+    assert (groups, samples) == (1, 2) and {r.group_id for r in kept} == {"b"}
 
 
 def test_step_summary() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -28,13 +29,18 @@ from pipeline.shards import (
     step_stats,
     write_step,
 )
-from schemas.trajectory import SCHEMA, validate_row
+from schemas.trajectory import SCHEMA, TrajectoryRow, rows_from_dicts, validate_row
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def make_rows(n: int, step: int = 0, *, prompt: int = 6, sampled: int = 4, seed: int = 0) -> list[dict]:
+def make_rows(n: int, step: int = 0, *, prompt: int = 6, sampled: int = 4, seed: int = 0) -> list[TrajectoryRow]:
     """`n` valid rows: `prompt` unsampled tokens then `sampled` ones of version max(step-1, 0)."""
+    return rows_from_dicts(make_dicts(n, step, prompt=prompt, sampled=sampled, seed=seed))
+
+
+def make_dicts(n: int, step: int = 0, *, prompt: int = 6, sampled: int = 4, seed: int = 0) -> list[dict]:
+    """`make_rows` as plain dicts of every column (`created_at` a UTC datetime), to edit before converting."""
     rng = random.Random(seed)
     rows = []
     for i in range(n):
@@ -68,8 +74,9 @@ def paths(tmp_path: Path) -> RunPaths:
 
 
 def test_round_trip_with_manifest(paths: RunPaths) -> None:
-    rows = make_rows(10, step=3)
-    manifest = write_step(paths, 3, rows, producer="rollout", tokenizer="/models/tiny", rows_per_part=4)
+    rows = make_dicts(10, step=3)
+    manifest = write_step(paths, 3, rows_from_dicts(rows), producer="rollout", tokenizer="/models/tiny",
+                          rows_per_part=4)  # fmt: skip
     assert [p.file for p in manifest.parts] == [
         "part-rollout-00000.parquet", "part-rollout-00001.parquet", "part-rollout-00002.parquet"
     ]  # fmt: skip
@@ -93,9 +100,9 @@ def test_round_trip_with_manifest(paths: RunPaths) -> None:
 
 
 def test_epoch_ms_created_at_is_accepted(paths: RunPaths) -> None:
-    rows = make_rows(2)
+    rows = make_dicts(2)
     rows[0]["created_at"] = 1_790_000_000_123
-    write_step(paths, 0, rows, producer="proxy-a", tokenizer="t")
+    write_step(paths, 0, rows_from_dicts(rows), producer="proxy-a", tokenizer="t")
     got = read_step(paths, 0, columns=["created_at"]).column(0).to_pylist()[0]
     assert int(got.timestamp() * 1000) == 1_790_000_000_123
 
@@ -196,12 +203,14 @@ def test_missing_step_and_unknown_columns(paths: RunPaths) -> None:
     ],
 )
 def test_invalid_rows_are_refused_like_validate_row(paths: RunPaths, field: str, value: object, message: str) -> None:
-    rows = make_rows(3)
+    rows = make_dicts(3)
     rows[1][field] = value
     with pytest.raises(SchemaError):
         validate_row(rows[1])
+    with pytest.raises(SchemaError):
+        validate_row(rows_from_dicts(rows)[1])
     with pytest.raises(SchemaError, match=message) as info:
-        write_step(paths, 0, rows, producer="rollout", tokenizer="t")
+        write_step(paths, 0, rows_from_dicts(rows), producer="rollout", tokenizer="t")
     assert "row 1 (sample 'sample-0-1')" in str(info.value)
     assert list_complete_steps(paths) == []
 
@@ -209,14 +218,18 @@ def test_invalid_rows_are_refused_like_validate_row(paths: RunPaths, field: str,
 def test_wrong_step_missing_column_and_naive_time_are_refused(paths: RunPaths) -> None:
     with pytest.raises(SchemaError, match="must have step=4"):
         write_step(paths, 4, make_rows(2, step=3), producer="rollout", tokenizer="t")
-    rows = make_rows(2)
+    rows = make_dicts(2)
     del rows[1]["reward"]
     with pytest.raises(SchemaError, match=r"row 1 .* no column 'reward'"):
-        write_step(paths, 0, rows, producer="rollout", tokenizer="t")
-    rows = make_rows(2)
+        write_step(paths, 0, rows_from_dicts(rows), producer="rollout", tokenizer="t")
+    rows = make_dicts(2)
     rows[0]["created_at"] = datetime(2026, 1, 1)
     with pytest.raises(SchemaError, match="no time zone"):
-        write_step(paths, 0, rows, producer="rollout", tokenizer="t")
+        write_step(paths, 0, rows_from_dicts(rows), producer="rollout", tokenizer="t")
+    unassigned = [row.at_step(0) for row in make_rows(2)]
+    unassigned[1] = dataclasses.replace(unassigned[1], step=None)
+    with pytest.raises(SchemaError, match="must have step=0"):
+        write_step(paths, 0, unassigned, producer="rollout", tokenizer="t")
     with pytest.raises(ValueError, match="producer"):
         write_step(paths, 0, make_rows(1), producer="a/b", tokenizer="t")
 
@@ -240,8 +253,9 @@ def test_step_stats(paths: RunPaths) -> None:
 
 def test_stats_over_multi_turn_rows_with_mixed_versions(paths: RunPaths) -> None:
     rows = make_rows(2, step=6)
-    rows[0].update(input_ids=[1, 2, 3, 4, 5, 6], loss_mask=[0, 1, 1, 0, 1, 1], prompt_len=1, num_turns=2,
-                   logprobs=[0.0, -0.1, -0.2, 0.0, -0.3, -0.4], versions=[-1, 3, 3, -1, 5, 5])  # fmt: skip
+    rows[0] = dataclasses.replace(rows[0], input_ids=[1, 2, 3, 4, 5, 6], loss_mask=[0, 1, 1, 0, 1, 1], prompt_len=1,
+                                  num_turns=2, logprobs=[0.0, -0.1, -0.2, 0.0, -0.3, -0.4],
+                                  versions=[-1, 3, 3, -1, 5, 5])  # fmt: skip
     manifest = write_step(paths, 6, rows, producer="rollout", tokenizer="t")
     assert manifest.weight_versions is not None
     assert (manifest.weight_versions.min, manifest.weight_versions.max) == (3, 5)
@@ -310,7 +324,7 @@ def test_writer_killed_while_parts_are_staged_leaves_no_step(paths: RunPaths) ->
 def test_writer_killed_at_random_points_never_shows_a_torn_step(paths: RunPaths) -> None:
     old = make_rows(5, seed=99)
     write_step(paths, 0, old, producer="rollout", tokenizer="t")
-    old_ids = [r["sample_id"] for r in old]
+    old_ids = [r.sample_id for r in old]
     rng = random.Random(1234)
     killed_mid_write = 0
     for attempt in range(6):
@@ -326,4 +340,4 @@ def test_writer_killed_at_random_points_never_shows_a_torn_step(paths: RunPaths)
             old_ids = read_step(paths, 0, columns=["sample_id"]).column(0).to_pylist()
     assert killed_mid_write >= 1
     write_step(paths, 0, old, producer="rollout", tokenizer="t")
-    assert read_step(paths, 0).column("sample_id").to_pylist() == [r["sample_id"] for r in old]
+    assert read_step(paths, 0).column("sample_id").to_pylist() == [r.sample_id for r in old]

@@ -105,7 +105,7 @@ def test_extended_prompts_equal_full_renders(template: str, ended: bool, path: s
         # the rendered text is kept for the next turn's fast paths (used when the template is turn-local)
         session.record(previous, prep.keys, message_key(reply), prep.tools_key, prep.prompt_text if fast else None)
     rows = session.tree.export("concat", 1.0, step=0)
-    assert len(rows) == 1 and rows[0]["num_turns"] == len(TURNS)
+    assert len(rows) == 1 and rows[0].num_turns == len(TURNS)
 
 
 def test_qwen_newline_after_im_end_goes_to_the_suffix(tiny_model_dir: Path) -> None:

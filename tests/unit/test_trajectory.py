@@ -75,9 +75,9 @@ def test_branching_tree_takes_the_mean_of_children() -> None:
     assert rewards["X"] == pytest.approx(1.0)
     assert rewards["R"] == pytest.approx(0.5 * (1.0 + 0.1) / 2)
     concat = tree.export("concat", 0.5, step=0)
-    assert [r["sample_id"] for r in concat] == ["X", "Z"]
-    assert [r["reward"] for r in concat] == pytest.approx([1.0, 0.2])
-    assert [r["num_turns"] for r in concat] == [2, 3]
+    assert [r.sample_id for r in concat] == ["X", "Z"]
+    assert [r.reward for r in concat] == pytest.approx([1.0, 0.2])
+    assert [r.num_turns for r in concat] == [2, 3]
 
 
 def test_long_chain_needs_no_recursion() -> None:
@@ -92,30 +92,30 @@ def test_long_chain_needs_no_recursion() -> None:
     rewards = tree.propagate_rewards(1.0)
     assert rewards["n0"] == pytest.approx(1.0)
     rows = tree.export("concat", 1.0, step=1)
-    assert len(rows) == 1 and rows[0]["num_turns"] == 5000
+    assert len(rows) == 1 and rows[0].num_turns == 5000
 
 
 def test_individual_rows() -> None:
     tree = chain()
     tree.set_reward(1.0)
     rows = tree.export("individual", 0.9, step=5)
-    assert [r["sample_id"] for r in rows] == ["A", "B", "C"]
-    assert [r["parent_id"] for r in rows] == [None, "A", "B"]
-    assert [r["reward"] for r in rows] == pytest.approx([0.81, 0.9, 1.0])
+    assert [r.sample_id for r in rows] == ["A", "B", "C"]
+    assert [r.parent_id for r in rows] == [None, "A", "B"]
+    assert [r.reward for r in rows] == pytest.approx([0.81, 0.9, 1.0])
     b = rows[1]
     tree_b = tree.get("B")
-    assert b["input_ids"] == tree_b.prompt_ids + tree_b.output_ids
-    assert b["loss_mask"] == [0] * len(tree_b.prompt_ids) + [1]
-    assert b["logprobs"] == [0.0] * len(tree_b.prompt_ids) + tree_b.output_logprobs
-    assert b["versions"] == [-1] * len(tree_b.prompt_ids) + [3]
-    assert b["prompt_len"] == len(tree_b.prompt_ids)
+    assert b.input_ids == tree_b.prompt_ids + tree_b.output_ids
+    assert b.loss_mask == [0] * len(tree_b.prompt_ids) + [1]
+    assert b.logprobs == [0.0] * len(tree_b.prompt_ids) + tree_b.output_logprobs
+    assert b.versions == [-1] * len(tree_b.prompt_ids) + [3]
+    assert b.prompt_len == len(tree_b.prompt_ids)
     for row in rows:
         validate_row(row)
-        assert row["step"] == 5 and row["num_turns"] == 1 and row["group_id"] == "g1"
-        assert row["created_at"].tzinfo is not None
-        assert row["created_at"].astimezone(UTC) >= datetime(2023, 1, 1, tzinfo=UTC)
-        meta = json.loads(row["metadata"])
-        assert meta["index"] == 7 and meta["interaction_ids"] == [row["sample_id"]]
+        assert row.step == 5 and row.num_turns == 1 and row.group_id == "g1"
+        assert row.created_at == int(tree.get(row.sample_id).created_at * 1000), "epoch ms of the call's finish"
+        assert datetime.fromtimestamp(row.created_at / 1000, UTC) >= datetime(2023, 1, 1, tzinfo=UTC)
+        meta = json.loads(row.metadata)
+        assert meta["index"] == 7 and meta["interaction_ids"] == [row.sample_id]
 
 
 def test_concat_row_is_the_last_prompt_plus_output_with_every_segment_masked() -> None:
@@ -123,17 +123,17 @@ def test_concat_row_is_the_last_prompt_plus_output_with_every_segment_masked() -
     tree.set_reward(1.0)
     (row,) = tree.export("concat", 0.9, step=2)
     c = tree.get("C")
-    assert row["input_ids"] == c.prompt_ids + c.output_ids
+    assert row.input_ids == c.prompt_ids + c.output_ids
     # A: prompt 3, out 2; suffix 2; B out 1; suffix 1; C out 3.
-    assert row["loss_mask"] == [0, 0, 0, 1, 1, 0, 0, 1, 0, 1, 1, 1]
-    assert row["versions"] == [-1, -1, -1, 3, 3, -1, -1, 3, -1, 4, 4, 4]
-    sampled = [lp for lp, m in zip(row["logprobs"], row["loss_mask"], strict=True) if m]
+    assert row.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1, 0, 1, 1, 1]
+    assert row.versions == [-1, -1, -1, 3, 3, -1, -1, 3, -1, 4, 4, 4]
+    sampled = [lp for lp, m in zip(row.logprobs, row.loss_mask, strict=True) if m]
     assert sampled == pytest.approx(
         tree.get("A").output_logprobs + tree.get("B").output_logprobs + c.output_logprobs
     )
-    assert row["prompt_len"] == 3 and row["num_turns"] == 3 and row["reward"] == pytest.approx(1.0)
-    assert row["sample_id"] == "C" and row["parent_id"] is None
-    meta = json.loads(row["metadata"])
+    assert row.prompt_len == 3 and row.num_turns == 3 and row.reward == pytest.approx(1.0)
+    assert row.sample_id == "C" and row.parent_id is None
+    meta = json.loads(row.metadata)
     assert meta["interaction_ids"] == ["A", "B", "C"] and meta["prefix_break"] is False
     validate_row(row)
 
@@ -148,14 +148,14 @@ def test_token_prefix_break_splits_the_concat_row() -> None:
     tree.set_reward(1.0)
     assert tree.prefix_breaks() == ["B"]
     rows = tree.export("concat", 1.0, step=0)
-    assert [r["sample_id"] for r in rows] == ["A", "C"]
+    assert [r.sample_id for r in rows] == ["A", "C"]
     first, second = rows
-    assert first["input_ids"] == [1, 2, 3, 4] and first["num_turns"] == 1
-    assert second["input_ids"] == [1, 2, 9, 9, 5, 6, 7, 8]
-    assert second["loss_mask"] == [0, 0, 0, 0, 0, 1, 0, 1]
-    assert second["parent_id"] == "A" and second["num_turns"] == 2
-    assert json.loads(second["metadata"])["prefix_break"] is True
-    assert json.loads(first["metadata"])["prefix_break"] is False
+    assert first.input_ids == [1, 2, 3, 4] and first.num_turns == 1
+    assert second.input_ids == [1, 2, 9, 9, 5, 6, 7, 8]
+    assert second.loss_mask == [0, 0, 0, 0, 0, 1, 0, 1]
+    assert second.parent_id == "A" and second.num_turns == 2
+    assert json.loads(second.metadata)["prefix_break"] is True
+    assert json.loads(first.metadata)["prefix_break"] is False
     for row in rows:
         validate_row(row)
 
@@ -165,7 +165,7 @@ def test_flagged_prefix_break_splits_even_when_tokens_extend() -> None:
     a = make("A", [1, 2], [3])
     tree.add(a)
     tree.add(make("B", [*a.full_ids, 4], [5], "A", prefix_break=True))
-    assert [r["num_turns"] for r in tree.export("concat", 1.0, step=0)] == [1, 1]
+    assert [r.num_turns for r in tree.export("concat", 1.0, step=0)] == [1, 1]
 
 
 def test_segment_before_a_break_shared_by_two_paths_is_emitted_once() -> None:
@@ -175,8 +175,8 @@ def test_segment_before_a_break_shared_by_two_paths_is_emitted_once() -> None:
     tree.add(make("C", [7, 7, 3, 4], [5], "B"))
     tree.add(make("D", [7, 7, 3, 6], [8], "B"))
     rows = tree.export("concat", 1.0, step=0)
-    assert [r["sample_id"] for r in rows] == ["A", "C", "D"]
-    assert [json.loads(r["metadata"])["interaction_ids"] for r in rows] == [["A"], ["B", "C"], ["B", "D"]]
+    assert [r.sample_id for r in rows] == ["A", "C", "D"]
+    assert [json.loads(r.metadata)["interaction_ids"] for r in rows] == [["A"], ["B", "C"], ["B", "D"]]
 
 
 def test_interaction_without_sampled_tokens_gives_no_row() -> None:
@@ -184,9 +184,9 @@ def test_interaction_without_sampled_tokens_gives_no_row() -> None:
     a = make("A", [1, 2], [3])
     tree.add(a)
     tree.add(make("B", [*a.full_ids, 4], [], "A", finish_reason="abort"))
-    assert [r["sample_id"] for r in tree.export("individual", 1.0, step=0)] == ["A"]
+    assert [r.sample_id for r in tree.export("individual", 1.0, step=0)] == ["A"]
     (row,) = tree.export("concat", 1.0, step=0)
-    assert row["sample_id"] == "B" and row["finish_reason"] == "abort" and row["loss_mask"] == [0, 0, 1, 0]
+    assert row.sample_id == "B" and row.finish_reason == "abort" and row.loss_mask == [0, 0, 1, 0]
 
 
 def test_set_reward_on_last_named_and_unknown() -> None:
