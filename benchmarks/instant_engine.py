@@ -1,4 +1,4 @@
-"""The benchmark harness's *instant engine*: a minimal server of the engine protocol (SPEC §5).
+"""The benchmark harness's *instant engine*: a minimal server of the engine protocol (docs/inference.md).
 
 It answers `POST /generate` at once with a fixed token list (log-probability -0.5 each, finish
 reason `stop` on the last token), streamed or not, plus `GET /health`, `/get_model_info`,

@@ -1,4 +1,4 @@
-"""HTTP contract of the inference servers: SGLang's native protocol (SPEC §5), and registry entries.
+"""HTTP contract of the inference servers: SGLang's native protocol (docs/inference.md), and registry entries.
 
 Field names are SGLang's own (`python/sglang/srt/managers/io_struct.py`: `GenerateReqInput`,
 `UpdateWeightFromDiskReqInput`, `InitWeightsUpdateGroupReqInput`,

@@ -1,4 +1,4 @@
-"""HTTP API models of the capture proxy (SPEC §4): the request bodies it validates and documents.
+"""HTTP API models of the capture proxy (docs/proxy.md): the request bodies it validates and documents.
 
 `openai_chat` (Chat Completions), `openai_responses` (Responses), `anthropic` (Messages) and `rl`
 (session control, rewards, export). The vendor models accept unknown fields (SDKs send many
