@@ -140,7 +140,6 @@ class EngineClient(AdminCalls):
         `top_logprobs_num` > 0 is sent as SGLang's field of that name; the result then carries
         `output_top_logprobs` (one entry per output token, checked).
         """
-        check_single(sampling_params)
         body = self._body(input_ids, sampling_params, stream=False, top_logprobs_num=top_logprobs_num)
         tried: list[str] = []
         while True:
@@ -166,7 +165,6 @@ class EngineClient(AdminCalls):
         Fails over only before the first chunk arrived: after that, tokens have reached the caller
         and a restart elsewhere would produce a different continuation.
         """
-        check_single(sampling_params)
         body = self._body(input_ids, sampling_params, stream=True, top_logprobs_num=top_logprobs_num)
         tried: list[str] = []
         while True:
@@ -222,6 +220,7 @@ class EngineClient(AdminCalls):
     def _body(
         self, input_ids: list[int], sampling_params: dict[str, Any], *, stream: bool, top_logprobs_num: int
     ) -> dict[str, Any]:
+        check_single(sampling_params)
         body = {
             "input_ids": list(input_ids),
             "sampling_params": dict(sampling_params),

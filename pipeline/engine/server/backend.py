@@ -43,6 +43,20 @@ class Check:
     """Health: why it is not ok (None: no reason known: the answer is a bare 503). Flush: the answer's text."""
 
 
+def model_info_body(model_path: str, tokenizer_path: str, weight_version: int, limits: Limits) -> dict[str, Any]:
+    """What every backend's `/get_model_info` holds (SGLang's fields; a backend may add its own)."""
+    return {
+        "model_path": model_path,
+        "tokenizer_path": tokenizer_path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": str(weight_version),
+        "max_context": limits.max_context,
+        "context_length": limits.max_context,
+        "vocab_size": limits.vocab_size,
+    }
+
+
 class EngineBackend(Protocol):
     """A token generator with SGLang's control and weight-update commands (see the module docstring)."""
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 
 from pipeline.engine.server.app import build_app
-from pipeline.engine.server.serve import ServerHandle, serve, serve_in_thread, server_parser
+from pipeline.engine.server.serve import ServerHandle, config_from_args, serve, serve_in_thread, server_parser
 
 if TYPE_CHECKING:  # at run time imported where used: torch must start after main() set OMP_WAIT_POLICY
     from pipeline.engine.server.hf_engine import HFEngine, HFEngineConfig
@@ -88,18 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     from pipeline.engine.server.hf_engine import HFEngineConfig
 
-    config = HFEngineConfig(
-        model_path=args.model_path,
-        tokenizer_path=args.tokenizer_path,
-        device=args.device,
-        dtype=args.dtype,
-        max_batch_size=args.max_batch_size,
-        max_context=args.max_context,
-        weight_version=args.weight_version,
-        seed=args.seed,
-        return_original_logprob=args.return_original_logprob,
-        incremental_streaming_output=args.incremental_streaming_output,
-    )
+    config = config_from_args(HFEngineConfig, args)
     serve_hf(config, host=args.host, port=args.port)
     return 0
 

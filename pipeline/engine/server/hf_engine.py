@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.engine.server.backend import Check, Progress
+from pipeline.engine.server.backend import Check, Progress, model_info_body
 from pipeline.engine.server.batcher import GenRequest, Scheduler
 from pipeline.engine.server.hf_weights import WeightUpdates
 from pipeline.engine.server.requests import Limits, WorkItem, stop_token_ids
@@ -156,17 +156,12 @@ class HFEngine(WeightUpdates):
 
     # -- info -------------------------------------------------------------------------------
     def model_info(self) -> dict[str, Any]:
+        config = self.model.config
+        tokenizer = self.config.tokenizer_path or self.config.model_path  # what was loaded, whatever the weights
         return {
-            "model_path": self.model_path,
-            "tokenizer_path": self.config.tokenizer_path or self.config.model_path,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": str(self.weight_version),
-            "max_context": self.limits.max_context,
-            "context_length": self.limits.max_context,
-            "vocab_size": self.limits.vocab_size,
-            "model_type": getattr(self.model.config, "model_type", None),
-            "architectures": getattr(self.model.config, "architectures", None),
+            **model_info_body(self.model_path, tokenizer, self.weight_version, self.limits),
+            "model_type": getattr(config, "model_type", None),
+            "architectures": getattr(config, "architectures", None),
             "has_image_understanding": False,
             "has_audio_understanding": False,
         }

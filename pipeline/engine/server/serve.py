@@ -8,6 +8,7 @@ and benchmarks: real HTTP on loopback, started in about a second, no subprocess.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ import uvicorn
 from pipeline.engine.net import free_port
 
 B = TypeVar("B")
+C = TypeVar("C")
 
 
 def serve(app: Any, *, host: str, port: int, **uvicorn_options: Any) -> None:
@@ -87,3 +89,8 @@ def server_parser(description: str, *, max_context: int | None) -> argparse.Argu
     parser.add_argument("--weight-version", type=int, default=0)
     parser.add_argument("--max-context", type=int, default=max_context)
     return parser
+
+
+def config_from_args(cls: type[C], args: argparse.Namespace) -> C:
+    """A backend's config dataclass from a server's parsed arguments (flags are named after its fields)."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})  # type: ignore[arg-type]

@@ -28,9 +28,9 @@ from typing import Any
 import httpx
 
 from pipeline.engine.server.app import build_app
-from pipeline.engine.server.backend import Check, Progress
+from pipeline.engine.server.backend import Check, Progress, model_info_body
 from pipeline.engine.server.requests import Limits, RequestError, WorkItem, stop_token_ids
-from pipeline.engine.server.serve import serve, server_parser
+from pipeline.engine.server.serve import config_from_args, serve, server_parser
 from pipeline.engine.server.vllm_wire import choice_tokens, choice_top, completion_body, finish_reason
 from pipeline.engine.server.weights import eos_token_ids, load_tokenizer
 from schemas.engine_api import InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput
@@ -228,16 +228,8 @@ class VLLMAdapter:
 
     # -- info -------------------------------------------------------------------------------
     def model_info(self) -> dict[str, Any]:
-        return {
-            "model_path": self.model_path,
-            "tokenizer_path": self.config.tokenizer_path or self.model_path,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": str(self.weight_version),
-            "max_context": self.limits.max_context,
-            "context_length": self.limits.max_context,
-            "vocab_size": self.limits.vocab_size,
-        }
+        tokenizer = self.config.tokenizer_path or self.model_path
+        return model_info_body(self.model_path, tokenizer, self.weight_version, self.limits)
 
     def server_info(self) -> dict[str, Any]:
         return {
@@ -300,15 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp-size", type=int, default=1)
     args = parser.parse_args(argv)
     setup_logging()
-    config = AdapterConfig(
-        upstream=args.upstream,
-        model_path=args.model_path,
-        tokenizer_path=args.tokenizer_path,
-        served_model_name=args.served_model_name,
-        weight_version=args.weight_version,
-        max_context=args.max_context,
-        tp_size=args.tp_size,
-    )
+    config = config_from_args(AdapterConfig, args)
     adapter = VLLMAdapter(config)
     serve(build_app(adapter, title="arl vLLM adapter (SGLang protocol)"), host=args.host, port=args.port)
     return 0
