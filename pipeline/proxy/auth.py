@@ -1,7 +1,8 @@
 """Key checks of the proxy, done before anything reads the request body.
 
 `KeyCheck` is a pure ASGI middleware: for every keyed path (`ROUTE_KEYS`) it identifies the
-caller from `Authorization: Bearer` / `x-api-key` (constant-time compares in
+caller from `Authorization: Bearer` / `x-api-key` (`presented_key`, the one place a key is read
+from a request; constant-time compares in
 `SessionStore.identify`), answers 401 / 403 / 410 in the route's own error shape when the key
 is missing, wrong or of the wrong kind, and otherwise leaves the `Caller` in the ASGI scope for
 the route (`caller_of`). FastAPI decodes a JSON body before it runs a route's dependencies, so a
@@ -21,7 +22,7 @@ from pipeline.proxy.http import send_error
 from pipeline.proxy.sessions import Caller, KeyKind, SessionStore
 
 ANY_KEY: tuple[KeyKind, ...] = ("admin", "client", "session")
-# path -> the kinds of key it accepts (SPEC §4). Finer rules (a client key acts only on its own
+# path -> the kinds of key it accepts (docs/proxy.md, "Keys"). Finer rules (a client key acts only on its own
 # sessions, a session key only on itself) need the body and live in pipeline/proxy/rl.py.
 ROUTE_KEYS: dict[str, tuple[KeyKind, ...]] = {
     "/v1/models": ANY_KEY,
