@@ -23,6 +23,8 @@ FORBIDDEN = {
 }
 _WALKED = ("pipeline", "stages", "schemas", "slurm", "scripts", "tests", "examples", "docs", "benchmarks")
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+_DOC_CITATION = re.compile(r"docs/([\w-]+\.md)(?:[,;]? \(?\"([^\"\n]+)\")?")
+"""`docs/proxy.md`, optionally followed by a quoted section: `docs/proxy.md, "Keys"`."""
 
 
 def repo_files() -> list[Path]:
@@ -53,6 +55,27 @@ def test_no_file_points_outside_the_repository() -> None:
                 line = text.count("\n", 0, match.start()) + 1
                 found.append(f"{path.relative_to(REPO)}:{line}: {what} ({match.group(0)!r})")
     assert not found, "cite the doc in docs/ that holds the contract instead:\n" + "\n".join(found)
+
+
+def test_every_cited_doc_and_section_exists() -> None:
+    """Code and docs cite contracts as `docs/<file>.md` (and a section by the start of its heading)."""
+    missing = []
+    for path in repo_files():
+        if path.resolve() == THIS or (text := text_of(path)) is None:
+            continue
+        for match in _DOC_CITATION.finditer(text):
+            doc, section = REPO / "docs" / match.group(1), match.group(2)
+            where = f"{path.relative_to(REPO)}:{text.count(chr(10), 0, match.start()) + 1}"
+            if not doc.exists():
+                missing.append(f"{where}: no such doc {match.group(0)}")
+            elif section and not any(h.startswith(section) for h in headings(doc)):
+                missing.append(f"{where}: {doc.name} has no section starting {section!r}")
+    assert not missing, "\n".join(missing)
+
+
+def headings(path: Path) -> list[str]:
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+    return [m.group(1).replace("`", "").strip() for m in re.finditer(r"^#+ (.+)$", text, flags=re.M)]
 
 
 def slug(heading: str) -> str:
