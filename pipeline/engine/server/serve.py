@@ -13,14 +13,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import uvicorn
 
 from pipeline.engine.net import free_port
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 B = TypeVar("B")
-C = TypeVar("C")
+C = TypeVar("C", bound="DataclassInstance")
 
 
 def serve(app: Any, *, host: str, port: int, **uvicorn_options: Any) -> None:
@@ -93,4 +96,4 @@ def server_parser(description: str, *, max_context: int | None) -> argparse.Argu
 
 def config_from_args(cls: type[C], args: argparse.Namespace) -> C:
     """A backend's config dataclass from a server's parsed arguments (flags are named after its fields)."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})  # type: ignore[arg-type]
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
