@@ -111,14 +111,13 @@ async def _complete(backend: EngineBackend, item: WorkItem, text_in_logprobs: bo
             ids += last.new_ids
             logprobs += last.new_logprobs
             top += last.new_top
-    tokenizer = backend.tokenizer
     return response(
         item,
         ids,
         logprobs,
         last.finish,
         last.weight_version,
-        tokenizer,
+        backend.tokenizer,
         top_logprobs=top,
         text_in_logprobs=text_in_logprobs,
     )
