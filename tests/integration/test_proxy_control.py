@@ -80,8 +80,8 @@ async def test_the_run_status_header_reaches_the_end_subscribers(proxy: Any, htt
     await proxy.control.grant_capacity(3)
     failed, rejected, plain = [await client.start_session() for _ in range(3)]
     await SessionClient(proxy.url, failed, http).end("failed")
-    r = await http.post(f"{proxy.url}/rl/v1/finalize", json={"final_reward": None},
-                        headers={"Authorization": f"Bearer {rejected.api_key}", "x-arl-run-status": "rejected"})
+    headers = {"Authorization": f"Bearer {rejected.api_key}", "x-arl-run-status": "rejected"}
+    r = await http.post(f"{proxy.url}/rl/v1/finalize", json={"final_reward": None}, headers=headers)
     assert r.status_code == 200, r.text
     await client.end_session(plain.session_id, "something else")  # any other value: the run ended well
     assert seen == [SessionEnd(failed.session_id, "end_session", "failed"),
