@@ -27,6 +27,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from pipeline.engine.net import free_port
 from pipeline.engine.weight_group import broadcast_from_trainer, destroy_weight_group, dtype_name, init_weight_group
 from pipeline.errors import ArlError
 from pipeline.handoff import write_json_atomic
@@ -162,7 +163,7 @@ class BroadcastPublisher:
         """Join as rank 0 (the engine's own `init_weight_group`, SGLang-compatible) while every server joins
         through `/init_weights_update_group`."""
         address = "127.0.0.1" if all(_is_loopback(u) for u in urls) else socket.gethostbyname(socket.getfqdn())
-        port = _free_port()
+        port = free_port("0.0.0.0")  # the store listens on every interface: the port must be free on all
         world = self.owner.call(self.owner.client.weights_group_world_size(), "/get_server_info")
         write_json_atomic(self.paths.weight_sync, {"master_address": address, "master_port": port,
                                                    "group_name": GROUP_NAME, "backend": self.backend,
@@ -202,9 +203,3 @@ def _is_loopback(url: str) -> bool:
     from urllib.parse import urlparse
 
     return (urlparse(url).hostname or "") in ("127.0.0.1", "localhost", "::1")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])

@@ -42,6 +42,9 @@ class ArlWorkerExtension:
             group_name=args["group_name"],
             backend=args["backend"],
         )
+        # The receive call does not repeat the backend, and a gloo group receives into CPU tensors
+        # whatever device this worker computes on: remember it per group.
+        self.__dict__.setdefault("_arl_group_backends", {})[args["group_name"]] = args["backend"]
         return f"rank {rank} joined {args['group_name']}"
 
     def arl_destroy_group(self, group_name: str) -> str:
@@ -50,6 +53,7 @@ class ArlWorkerExtension:
 
         destroy_weight_group(self._arl_group(group_name))
         del self.__dict__["_arl_groups"][group_name]
+        self.__dict__.get("_arl_group_backends", {}).pop(group_name, None)
         return f"rank {self.rank} left {group_name}"
 
     def arl_receive(self, spec: str) -> str:
@@ -57,7 +61,8 @@ class ArlWorkerExtension:
         from pipeline.engine.weight_group import receive_from_trainer
 
         args = json.loads(spec)
-        device = "cpu" if args.get("backend") == "gloo" else self.device
+        backend = self.__dict__.get("_arl_group_backends", {}).get(args["group_name"])
+        device = "cpu" if backend == "gloo" else self.device
         tensors = receive_from_trainer(self._arl_group(args["group_name"]), args["dtypes"], args["shapes"], device)
         self.model_runner.reload_weights(weights_iterator=list(zip(args["names"], tensors, strict=True)))
         self._arl_after_load()

@@ -9,11 +9,12 @@ order puts TP innermost, so the TP peers of a rank are neighbours (one node).
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pipeline.engine.net import free_port
 
 
 @dataclass(frozen=True)
@@ -44,12 +45,6 @@ class Topology:
         return self.pp_rank * self.tp + self.tp_rank
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def init(tp: int, pp: int, device_pref: str, seed: int) -> Topology:
     """Join (or create) the default process group, then megatron's model-parallel groups and RNG seeds."""
     import torch.distributed as dist
@@ -75,7 +70,7 @@ def init(tp: int, pp: int, device_pref: str, seed: int) -> Topology:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             dist.init_process_group(backend)
         else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not a multiple of trainer.megatron.tp * pp = {tp} * {pp}")
