@@ -21,7 +21,7 @@ from pipeline.config import load_config
 from pipeline.engine.client import EngineClient, EngineError
 from pipeline.engine.net import free_port
 from pipeline.engine.server.procs import ProcSpec, vllm_procs, vllm_venv_python
-from pipeline.engine.weight_group import broadcast_from_trainer, dtype_name, init_weight_group
+from pipeline.engine.weight_group import broadcast_from_trainer, destroy_weight_group, dtype_name, init_weight_group
 
 pytestmark = [
     pytest.mark.vllm,
@@ -204,3 +204,10 @@ async def test_update_from_distributed_over_gloo(vllm_url: str, tmp_path: Path):
         result = await client.generate(PROMPT, {"max_new_tokens": 8, "ignore_eos": True})
     assert result.weight_version == 3
     assert close(result.output_logprobs, teacher_forced(new, PROMPT, result.output_ids))
+    # Leaving the group is the same route as on the hf engine: 200 once, then 400 (no such group).
+    async with httpx.AsyncClient(base_url=vllm_url, timeout=120) as http:
+        left = await http.post("/destroy_weights_update_group", json={"group_name": "vllm-wg"})
+        again = await http.post("/destroy_weights_update_group", json={"group_name": "vllm-wg"})
+    destroy_weight_group(group)
+    assert left.status_code == 200 and left.json()["success"] is True, left.text
+    assert again.status_code == 400 and "vllm-wg" in again.text, again.text
