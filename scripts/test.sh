@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite, as CI runs it: install, bring up the local Slurm cluster and the vLLM CPU
-# venv (for the `slurm` and `vllm` tests), then ruff, mypy and pytest. Extra args go to pytest.
+# The whole test suite, as CI runs it: install, bring up the local Slurm cluster, the vLLM CPU venv
+# and the SGLang venv (for the `slurm`, `vllm` and `sglang` tests), then ruff, mypy and pytest. Extra
+# args go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh dev
@@ -9,6 +10,9 @@ if [ "${ARL_SKIP_SLURM:-0}" != 1 ] && [ -x scripts/local_slurm.sh ]; then
 fi
 if [ "${ARL_SKIP_VLLM:-0}" != 1 ] && [ -x scripts/vllm_venv.sh ]; then
     scripts/vllm_venv.sh || echo "warning: vLLM CPU venv not built; vllm tests will skip"
+fi
+if [ "${ARL_SKIP_SGLANG:-0}" != 1 ] && [ -x scripts/sglang_venv.sh ]; then
+    scripts/sglang_venv.sh || echo "warning: SGLang venv not built; sglang tests will skip"
 fi
 .venv/bin/ruff check .
 .venv/bin/mypy pipeline stages schemas

@@ -1,0 +1,525 @@
+"""SGLang judging arl: SGLang's own server, on CPU, with a stand-in for its GPU scheduler.
+
+Runs inside the SGLang venv (`scripts/sglang_venv.sh`); arl never imports it. The contract tests
+(`tests/integration/test_sglang_contract.py`) start it as a subprocess and talk to it with arl's own
+`EngineClient` over loopback HTTP.
+
+    python sglang_judge.py routes                          SGLang's route table, as JSON
+    python sglang_judge.py parse-args -- ARGV...           a `sglang.launch_server` command line through
+                                                           SGLang's own parser and checks, as JSON
+    python sglang_judge.py serve --record FILE -- ARGV...  SGLang's server for that command line
+
+`serve` runs `sglang.srt.entrypoints.http_server.launch_server`, SGLang's own launch path, unchanged
+except for the scheduler process it is handed (SGLang takes it as a parameter). So these are SGLang's
+own code, as a real server runs them: the command-line parser and its checks; the FastAPI app, every
+route, its request validation and error answers; the TokenizerManager (`normalize_batch_and_arguments`,
+tokenisation, `SamplingParams.verify`/`normalize`, the pause condition, the weight-update locks and
+their dp-size asserts, the version bookkeeping, and the building of every `/generate` answer: meta_info,
+logprob conversion, cumulative or incremental streams); the DetokenizerManager process (incremental
+detokenisation, stop-string and stop-token trimming); and, inside the stand-in, SGLang's `Req` (its
+finish rules: stop strings, stop tokens, EOS, max_new_tokens), its output streamer (what a scheduler
+sends per step), its weight-update manager (the begin/end session rule, the flush after an update, the
+version record) and its model-runner `WeightUpdater` (group join, receive by broadcast).
+
+The stand-in (`StandInScheduler`) replaces the model and the batch bookkeeping only. The next token is
+a deterministic function of the prompt, `sampling_seed` and position (letters A-Z, so text round-trips),
+with made-up logprobs (the sampled token first among its top logprobs); one decode step every 5 ms.
+Modelled on SGLang's scheduler rather than run from it: pause (`in_place` holds the running batch,
+`retract` moves it to the waiting queue and counts a retraction; continue resumes both), abort (a queued
+request is answered at once with SGLang's `_make_abort_req`, a running one ends at its next step with
+SGLang's `FINISH_ABORT`), the flush rule (SGLang's `Scheduler.flush_cache`: only when idle, the waiting
+queue ignored while paused, evaluated on the stand-in's batch and queue), `/server_info`'s internal
+state (the server args plus two placeholder numbers), the ready report (`max_req_input_len` = context
+- 1), a disk load (only checks that the directory has a config.json) and the begin/end hooks of
+in-place-quantised weights (there are none). Every request object SGLang's code hands the scheduler,
+and every set of tensors SGLang's `WeightUpdater` hands the model to load (`Loaded`: names, dtypes,
+shapes, sums), is appended to the record file, one JSON object a line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RECORD_ENV = "ARL_SGLANG_JUDGE_RECORD"
+STEP_S = 0.005  # one decode step of the stand-in: a stream gets one event per token
+
+
+def main(argv: list[str]) -> int:
+    own, sglang_argv = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("mode", choices=["routes", "parse-args", "serve"])
+    parser.add_argument("--record", type=Path, help="serve: append every request SGLang's code produced here")
+    args = parser.parse_args(own)
+    if args.mode == "routes":
+        print(json.dumps(route_table()))
+    elif args.mode == "parse-args":
+        print(json.dumps(parse_args(sglang_argv)))
+    else:
+        if args.record is None:
+            parser.error("serve needs --record FILE")
+        serve(sglang_argv, args.record)
+    return 0
+
+
+# -- routes and command lines ----------------------------------------------------------------------
+def route_table() -> dict[str, Any]:
+    """{"version", "routes": [{"path", "methods"}]} of SGLang's FastAPI app, as `launch_server` serves it."""
+    from sglang.srt.entrypoints.http_server import app
+    from sglang.version import __version__
+
+    return {"version": __version__, "routes": _flatten(app.routes, "")}
+
+
+def _flatten(routes: Any, prefix: str) -> list[dict[str, Any]]:
+    """Routes with their methods; routers included with `include_router` (FastAPI keeps them nested) opened."""
+    out = []
+    for route in routes:
+        context = getattr(route, "include_context", None)
+        if context is not None:
+            out += _flatten(route.original_router.routes, prefix + context.prefix)
+        else:
+            methods = sorted(getattr(route, "methods", None) or ["WEBSOCKET"])
+            out.append({"path": prefix + route.path, "methods": methods})
+    return out
+
+
+def parse_args(sglang_argv: list[str]) -> dict[str, Any]:
+    """SGLang's reading of a launch command line: {"ok", "error"?, "args"?: the resolved values arl relies on}.
+
+    `prepare_server_args` is what `python -m sglang.launch_server` calls; `resolve_once` and
+    `check_server_args` are what its launch runs next. On a machine without a GPU SGLang needs
+    `--device cpu` to resolve: it is added when the command line has no `--device`, and only then.
+    """
+    from sglang.srt.server_args import prepare_server_args
+
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            server_args = prepare_server_args(list(sglang_argv))
+    except SystemExit:  # argparse's answer to an unknown or malformed flag
+        error = [line for line in stderr.getvalue().splitlines() if "error:" in line]
+        return {"ok": False, "stage": "parse", "error": error[-1] if error else stderr.getvalue()[-2000:]}
+    raw = {name: _jsonable(getattr(server_args, name, None)) for name in _REPORTED}
+    try:
+        if server_args.device is None:
+            server_args.device = "cpu"
+        server_args.resolve_once()
+        server_args.check_server_args()
+    except Exception as exc:  # SGLang's own checks refuse the combination
+        return {"ok": False, "stage": "check", "error": f"{type(exc).__name__}: {exc}", "raw": raw}
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    view = resolving_view(server_args)
+    resolved = {name: _jsonable(getattr(view, name, None)) for name in _REPORTED}
+    return {"ok": True, "raw": raw, "resolved": resolved}
+
+
+_REPORTED = ("model_path", "tokenizer_path", "host", "port", "tp_size", "dp_size", "pp_size", "mem_fraction_static",
+             "dtype", "weight_version", "context_length", "incremental_streaming_output", "device")  # fmt: skip
+
+
+def _jsonable(value: Any) -> Any:
+    return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+
+
+# -- serve -----------------------------------------------------------------------------------------
+def serve(sglang_argv: list[str], record: Path) -> None:
+    """SGLang's `launch_server` for this command line, with the stand-in scheduler; runs until killed."""
+    from sglang.srt.entrypoints.http_server import launch_server
+    from sglang.srt.server_args import prepare_server_args
+
+    os.environ[RECORD_ENV] = str(record.resolve())  # the scheduler process is spawned: it inherits this
+    server_args = prepare_server_args(list(sglang_argv))
+    if server_args.device is None:
+        server_args.device = "cpu"
+    server_args.resolve_once()
+    launch_server(server_args, run_scheduler_process_func=run_standin_scheduler)
+
+
+def run_standin_scheduler(server_args: Any, port_args: Any, gpu_id: int, tp_rank: int, pp_rank: int,
+                          dp_rank: int | None, pipe_writer: Any, *args: Any, **kwargs: Any) -> None:  # fmt: skip
+    """The scheduler process SGLang's launch spawns; the signature of SGLang's `run_scheduler_process`."""
+    from sglang.srt.managers.scheduler import resolve_spawn_dp_rank
+    from sglang.srt.runtime_context import SpawnRanks, publish, spawn_world_rank
+    from sglang.srt.utils.common import kill_itself_when_parent_died
+
+    kill_itself_when_parent_died()  # as SGLang's scheduler: never outlive the server
+    dp_rank = resolve_spawn_dp_rank(dp_rank)
+    world_rank = spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=pp_rank)
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank, dp_rank=dp_rank, gpu_id=gpu_id))
+    try:
+        scheduler = StandInScheduler(server_args, port_args, Path(os.environ[RECORD_ENV]))
+    except Exception:
+        pipe_writer.send({"status": "failed"})
+        raise
+    pipe_writer.send(scheduler.init_info())
+    scheduler.run()
+
+
+class StandInScheduler:
+    """SGLang's scheduler protocol over its own IPC sockets, with SGLang's request and output code inside."""
+
+    def __init__(self, server_args: Any, port_args: Any, record: Path) -> None:
+        import torch.distributed as dist
+        import zmq
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+        from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+        from sglang.srt.runtime_context import get_serving
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+        from sglang.srt.utils.hf_transformers_utils import get_tokenizer
+        from sglang.srt.utils.network import get_zmq_socket
+
+        self.server_args = server_args
+        self.record_path = record
+        self.model_config = ModelConfig.from_server_args(server_args)
+        self.tokenizer = get_tokenizer(get_serving().tokenizer_path)
+        context = zmq.Context(2)
+        self.recv_from_tokenizer = get_zmq_socket(context, zmq.PULL, port_args.scheduler_input_ipc_name, False)
+        self.send_to_tokenizer = get_zmq_socket(context, zmq.PUSH, port_args.tokenizer_ipc_name, False)
+        send_to_detokenizer = get_zmq_socket(context, zmq.PUSH, port_args.detokenizer_ipc_name, False)
+        self.streamer = SchedulerOutputStreamer(
+            send_to_detokenizer=_Sender(send_to_detokenizer), tree_cache=None, server_args=server_args,
+            is_generation=True, spec_algorithm=SpeculativeAlgorithm.NONE,
+            disaggregation_mode=DisaggregationMode.NULL, enable_hicache_storage=lambda: False,
+        )  # fmt: skip
+        # SGLang's weight-update manager barriers on the TP group and its WeightUpdater asserts a default
+        # process group: a one-rank gloo group stands for the TP group of one rank.
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        self.weight_updater = _weight_update_manager(self)
+        self.running: list[Any] = []  # SGLang `Req`s, in arrival order
+        self.waiting_queue: list[Any] = []  # requests retracted by a pause (new ones start decoding at once)
+        self.chunked_req = None
+        self.hisparse_coordinator = None
+        self.paused: str | None = None
+
+    def init_info(self) -> dict[str, Any]:
+        """What a scheduler reports to the launcher when ready (`Scheduler.get_init_info`)."""
+        from sglang.srt.mem_cache.hicache_storage import disabled_l3_layout
+
+        max_total = 1 << 20
+        return {
+            "status": "ready",
+            "max_total_num_tokens": max_total,
+            "max_req_input_len": min(self.model_config.context_len - 1, max_total - 1),
+            "startup_time": None,
+            "hicache_object_layout": disabled_l3_layout("Hierarchical cache is disabled", page_size=1),
+        }
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def run(self) -> None:
+        import zmq
+        from sglang.srt.managers.io_struct import sock_recv
+
+        while True:
+            busy = bool(self.running) and not self.paused
+            if self.recv_from_tokenizer.poll(timeout=int(STEP_S * 1000) if busy else 100):
+                while True:
+                    try:
+                        request = sock_recv(self.recv_from_tokenizer, zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self.dispatch(request)
+            if self.running and not self.paused:
+                self.step()
+
+    def dispatch(self, request: Any) -> None:
+        from sglang.srt.managers import io_struct as io
+
+        self.record(request)
+        handlers = {
+            io.TokenizedGenerateReqInput: self.add_request,
+            io.BatchTokenizedGenerateReqInput: self.add_batch,
+            io.AbortReq: self.abort,
+            io.PauseGenerationReqInput: self.pause,
+            io.ContinueGenerationReqInput: self.resume,
+            io.FlushCacheReqInput: lambda req: io.FlushCacheReqOutput(success=self.flush_cache()),
+            io.GetInternalStateReq: self.internal_state,
+            io.UpdateWeightFromDiskReqInput: self.weight_updater.update_weights_from_disk,
+            io.InitWeightsUpdateGroupReqInput: self.weight_updater.init_weights_update_group,
+            io.DestroyWeightsUpdateGroupReqInput: self.weight_updater.destroy_weights_update_group,
+            io.BeginWeightUpdateReqInput: self.weight_updater.begin_weight_update,
+            io.EndWeightUpdateReqInput: self.weight_updater.end_weight_update,
+            io.UpdateWeightsFromDistributedReqInput: self.weight_updater.update_weights_from_distributed,
+            io.UpdateWeightVersionReqInput: self.update_weight_version,
+        }
+        handler = handlers.get(type(request))
+        if handler is None:  # requests arl never sends (profiling, LoRA, sessions, ...): no answer comes
+            print(f"stand-in scheduler: no handler for {type(request).__name__}", file=sys.stderr, flush=True)
+            return
+        output = handler(request)
+        if output is not None:
+            self.send_control_output(output, request)
+
+    def send_control_output(self, output: Any, request: Any) -> None:
+        from sglang.srt.managers.io_struct import sock_send
+
+        if getattr(output, "rid", None) is None and getattr(request, "rid", None) is not None:
+            output.rid = request.rid
+        sock_send(self.send_to_tokenizer, output)
+
+    # -- generation --------------------------------------------------------------------------------
+    def add_request(self, recv: Any) -> None:
+        """`Scheduler._handle_generate_request` for a plain request: SGLang's `Req`, as the scheduler builds it."""
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.managers.scheduler_components.logprob_result_processor import SchedulerLogprobResultProcessor
+
+        req = Req(recv.rid, recv.input_text, recv.input_ids, recv.sampling_params,
+                  return_logprob=recv.return_logprob, top_logprobs_num=recv.top_logprobs_num,
+                  token_ids_logprob=recv.token_ids_logprob, stream=recv.stream,
+                  eos_token_ids=self.model_config.hf_eos_token_id, vocab_size=self.model_config.vocab_size,
+                  http_worker_ipc=recv.http_worker_ipc, time_stats=recv.time_stats)  # fmt: skip
+        req.tokenizer = self.tokenizer
+        if req.return_logprob:  # a prompt's logprobs are not asked for by default (logprob_start_len -1)
+            SchedulerLogprobResultProcessor._initialize_empty_logprob_containers(None, req)  # type: ignore[arg-type]
+            for name in ("output_token_logprobs_val", "output_token_logprobs_idx", "output_top_logprobs_val",
+                         "output_top_logprobs_idx", "output_token_ids_logprobs_val",
+                         "output_token_ids_logprobs_idx"):  # fmt: skip
+                if getattr(req.logprob, name) is None:
+                    setattr(req.logprob, name, [])
+        self.running.append(req)
+
+    def add_batch(self, batch: Any) -> None:
+        for recv in batch.batch:
+            self.add_request(recv)
+
+    def step(self) -> None:
+        """One decode step for every running request, then SGLang's output streamer sends what is due."""
+        for req in self.running:
+            if req.finished():
+                continue
+            if req.to_finish is None:
+                self.sample(req)
+            req.update_finish_state()
+        return_logprob = any(req.return_logprob for req in self.running)
+        self.streamer.stream_output(self.running, return_logprob)
+        self.running = [req for req in self.running if not req.finished()]
+
+    def sample(self, req: Any) -> None:
+        """The stand-in model: a deterministic letter token with made-up logprobs."""
+        seed = req.sampling_params.sampling_seed
+        position = len(req.output_ids)
+        rng = random.Random(f"{list(req.origin_input_ids)}|{seed}|{position}")
+        candidates = rng.sample(_LETTER_IDS, len(_LETTER_IDS))
+        token = candidates[0]
+        logprob = -0.25 - 0.01 * position
+        req.output_ids.append(token)
+        if req.return_logprob:
+            req.logprob.output_token_logprobs_val.append(logprob)
+            req.logprob.output_token_logprobs_idx.append(token)
+            k = req.logprob.top_logprobs_num
+            if k > 0:
+                req.logprob.output_top_logprobs_val.append([logprob - 0.5 * j for j in range(k)])
+                req.logprob.output_top_logprobs_idx.append(candidates[:k])
+
+    def abort(self, recv: Any) -> None:
+        """SGLang's `Scheduler.abort_request`: a queued request is answered at once, a running one ends with
+        `FINISH_ABORT` at its next step (SGLang's "abort method 3")."""
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+        from sglang.srt.managers.scheduler import _make_abort_req
+
+        def hit(req: Any) -> bool:
+            return not req.finished() and (recv.abort_all or req.rid.startswith(recv.rid))
+
+        for req in [r for r in self.waiting_queue if hit(r)]:
+            self.waiting_queue.remove(req)
+            self.send_control_output(_make_abort_req(req, finished_reason=recv.finished_reason), recv)
+        for req in self.running:
+            if hit(req):
+                req.to_finish = FINISH_ABORT()
+
+    def pause(self, recv: Any) -> None:
+        """SGLang's `Scheduler.pause_generation`: `in_place` stops decoding and keeps the running batch;
+        `retract` moves the running requests back to the waiting queue (their KV freed, recomputed later)."""
+        assert recv.mode in ("in_place", "retract")  # as SGLang's: `abort` is handled by the tokenizer manager
+        self.paused = recv.mode
+        if recv.mode == "retract":
+            for req in self.running:
+                req.retraction_count += 1
+            self.waiting_queue += self.running
+            self.running = []
+
+    def resume(self, recv: Any) -> None:
+        self.paused = None
+        self.running += self.waiting_queue
+        self.waiting_queue = []
+
+    def is_fully_idle(self, ignore_waiting: bool = False, **kwargs: Any) -> bool:
+        """SGLang's `Scheduler.is_fully_idle` over the stand-in's running batch and waiting queue."""
+        return not self.running and (ignore_waiting or not self.waiting_queue)
+
+    def flush_cache(self, empty_cache: bool = True) -> bool:
+        """SGLang's `Scheduler.flush_cache` rule: only when idle, the waiting queue ignored while paused."""
+        return self.is_fully_idle(ignore_waiting=self.paused is not None)
+
+    def internal_state(self, recv: Any) -> Any:
+        from sglang.srt.managers.io_struct import GetInternalStateReqOutput
+        from sglang.srt.utils.msgspec_utils import msgspec_to_builtins
+
+        state = msgspec_to_builtins({k: _jsonable(v) for k, v in vars(self.server_args).items()})
+        state.update({"last_gen_throughput": 0.0, "memory_usage": {}})
+        return GetInternalStateReqOutput(internal_state=state)
+
+    # -- weight versions (SGLang's own scheduler methods, run on this object) ----------------------
+    def update_weight_version(self, recv: Any) -> Any:
+        from sglang.srt.managers.io_struct import UpdateWeightVersionReqOutput
+
+        self.record_weight_version_change(recv.new_version)
+        return UpdateWeightVersionReqOutput()
+
+    def record_weight_version_change(self, new_version: str | None) -> None:
+        from sglang.srt.managers.scheduler import Scheduler
+
+        Scheduler.record_weight_version_change(self, new_version)  # type: ignore[arg-type]
+
+    def collect_inflight_reqs(self) -> set[Any]:
+        return set(self.running)
+
+    # -- the record --------------------------------------------------------------------------------
+    def record(self, request: Any) -> None:
+        entry = {"type": type(request).__name__.lstrip("_"), "time": time.time(), **_fields(request)}
+        with open(self.record_path, "a") as handle:
+            handle.write(json.dumps(entry) + "\n")
+
+
+_LETTER_IDS = list(range(32, 58))  # byte-level tokens 'A'..'Z' of the tiny test tokenizer
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    """A request object's fields as JSON values (SamplingParams as its attributes)."""
+    out: dict[str, Any] = {}
+    names = getattr(obj, "__struct_fields__", None) or list(_attributes(obj))
+    for name in names:
+        value = getattr(obj, name, None)
+        if name in ("time_stats", "mm_inputs", "positional_embed_overrides"):
+            continue
+        if type(value).__name__ == "SamplingParams":
+            value = {k: _plain(v) for k, v in _attributes(value).items() if not k.startswith("_")}
+        out[name] = _plain(value)
+    return out
+
+
+def _attributes(obj: Any) -> dict[str, Any]:
+    names = list(getattr(obj, "__dict__", {}))
+    for cls in type(obj).__mro__:
+        names += [n for n in getattr(cls, "__slots__", ()) if n not in names]
+    return {n: getattr(obj, n) for n in names if hasattr(obj, n)}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool, type(None))):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_plain(v) for v in value]
+    try:
+        return [_plain(v) for v in list(value)]  # array('q'), numpy arrays
+    except TypeError:
+        return repr(value)
+
+
+class _Loaded:
+    """Record entry: the tensors SGLang's `WeightUpdater` handed the model to load."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+
+class _Sender:
+    """What SGLang's output streamer sends through (`send_output(payload)`)."""
+
+    def __init__(self, socket: Any) -> None:
+        self.socket = socket
+
+    def send_output(self, payload: Any, *args: Any) -> None:
+        from sglang.srt.managers.io_struct import sock_send
+
+        sock_send(self.socket, payload)
+
+
+def _weight_update_manager(scheduler: StandInScheduler) -> Any:
+    """SGLang's `SchedulerWeightUpdaterManager` over one stand-in runner with SGLang's own `WeightUpdater`."""
+    import types
+
+    import torch.distributed as dist
+    from sglang.srt.managers.scheduler_components import weight_updater as module
+
+    runner = _standin_runner(scheduler.record)
+    worker = types.SimpleNamespace(
+        model_runner=runner,
+        weight_update_runners=lambda: [("target", runner)],
+        init_weights_update_group=lambda req: runner.weight_updater.init_weights_update_group(
+            req.master_address, req.master_port, req.rank_offset, req.world_size, req.group_name, req.backend),
+        destroy_weights_update_group=lambda req: runner.weight_updater.destroy_weights_update_group(req.group_name),
+    )  # fmt: skip
+    real_get_parallel = module.get_parallel
+    module.get_parallel = lambda: types.SimpleNamespace(tp_group=types.SimpleNamespace(cpu_group=dist.group.WORLD))
+    try:
+        return module.SchedulerWeightUpdaterManager(
+            tp_worker=worker, draft_worker=None, memory_saver_adapter=None, flush_cache=scheduler.flush_cache,
+            is_fully_idle=scheduler.is_fully_idle, scheduler=scheduler,
+        )  # fmt: skip
+    finally:
+        module.get_parallel = real_get_parallel
+
+
+def _standin_runner(record: Any) -> Any:
+    """A model runner whose model records what it is asked to load; its `WeightUpdater` is SGLang's."""
+    import types
+
+    import torch
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    class RecordingModel(torch.nn.Module):
+        def load_weights(self, weights: Any) -> None:
+            """Record what SGLang's receive produced: names, dtypes, shapes and each tensor's float64 sum."""
+            weights = list(weights)
+            record(_Loaded(names=[name for name, _ in weights],
+                           dtypes=[str(t.dtype).removeprefix("torch.") for _, t in weights],
+                           shapes=[list(t.shape) for _, t in weights],
+                           sums=[float(t.double().sum()) for _, t in weights]))  # fmt: skip
+
+    class StandInWeightUpdater(WeightUpdater):
+        """SGLang's WeightUpdater; only a disk load (which would read a checkpoint into a real model) and the
+        session hooks of in-place-quantised weights (none here) are stood in for."""
+
+        def update_weights_from_disk(self, model_path: str, load_format: Any, recapture_cuda_graph: bool = False):
+            if not (Path(model_path) / "config.json").is_file():
+                return False, f"Failed to get weights iterator: {model_path} has no config.json"
+            return True, "Succeeded to update model weights."
+
+        def begin_weight_update(self) -> None:
+            pass
+
+        def end_weight_update(self, *, run_post_load: bool) -> None:
+            pass
+
+    model = RecordingModel()
+    updater = StandInWeightUpdater(
+        tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={}, get_model=lambda: model,
+        update_model_fields=lambda **kw: None, recapture_cuda_graph=lambda: None, get_model_runner=lambda: None,
+    )  # fmt: skip
+    return types.SimpleNamespace(weight_updater=updater, model=model)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
