@@ -137,6 +137,23 @@ def demo(
     return run_demo(steps=steps, workdir=workdir, max_staleness=max_staleness)
 
 
+@app.command()
+@_friendly
+def doctor(
+    overrides: list[str] = typer.Argument(None, help="key.sub=value overrides of the doctor's run config."),
+    gpu: bool = typer.Option(False, "--gpu", help="GPU acceptance run: SGLang/vLLM server, bf16, NCCL publication."),
+    backend: str | None = typer.Option(None, "--backend", help="sglang (default with --gpu), vllm, or hf."),
+    model: str | None = typer.Option(None, "--model", help="HF model dir or cached hub name (default: tiny model)."),
+    steps: int = typer.Option(3, "--steps", help="Training steps of the run."),
+    workdir: Path | None = typer.Option(None, "--workdir", help="Where the run dir goes (default: a temp dir)."),
+) -> int:
+    """A tiny real run (server, rollout, trainer, publication), then a pass/fail table of checks."""
+    from pipeline.doctor import DoctorOptions, run_doctor
+
+    return run_doctor(DoctorOptions(gpu=gpu, backend=backend, model=model, steps=steps, workdir=workdir,
+                                    overrides=overrides or []))  # fmt: skip
+
+
 @app.command("make-tiny-model")
 @_friendly
 def make_tiny_model_cmd(
