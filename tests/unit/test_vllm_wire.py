@@ -27,6 +27,15 @@ def test_body_is_token_in_with_sglang_params_mapped():
     assert body["include_stop_str_in_output"] is True and body["stream_options"] == {"include_usage": True}
 
 
+def test_body_leaves_vllm_nothing_to_fill_in_and_ignore_eos_disables_stop_ids():
+    """vLLM takes a field a body leaves out from the model's generation_config.json (e.g. repetition_penalty
+    1.05), and its ignore_eos keeps stop_token_ids active; SGLang's protocol has neither."""
+    params = SamplingParams(max_new_tokens=4, stop_token_ids=[3], ignore_eos=True)
+    body = completion_body(WorkItem("r", [5], params, 4, True), "p", stream=False)
+    assert (body["repetition_penalty"], body["frequency_penalty"], body["presence_penalty"]) == (1.0, 0.0, 0.0)
+    assert body["min_tokens"] == 0 and body["ignore_eos"] is True and "stop_token_ids" not in body
+
+
 def test_choice_tokens_and_finish_reasons():
     choice = {
         "logprobs": {"tokens": ["token_id:7", "token_id:2"], "token_logprobs": [-0.5, -0.1]},

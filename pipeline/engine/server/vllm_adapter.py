@@ -60,7 +60,9 @@ class VLLMAdapter:
         self.checkpoint_shapes = _checkpoint_shapes(Path(config.model_path))
         hf_config = json.loads((Path(config.model_path) / "config.json").read_text())
         self.limits = Limits(int(hf_config["vocab_size"]), config.max_context)
-        self.eos_ids = eos_token_ids(_ConfigView(hf_config), self.tokenizer)
+        self.eos_ids = eos_token_ids(
+            _ConfigView(hf_config, _generation_config(Path(config.model_path))), self.tokenizer
+        )
         self.weight_version = config.weight_version
         self.requests_total = 0
         self.open = asyncio.Event()
@@ -265,9 +267,17 @@ def _upstream_json(resp: httpx.Response) -> Any:
 class _ConfigView:
     """Just enough of a model for `eos_token_ids` (the adapter never loads the weights)."""
 
-    def __init__(self, hf_config: dict[str, Any]) -> None:
+    def __init__(self, hf_config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> None:
         self.config = type("C", (), {"eos_token_id": hf_config.get("eos_token_id")})()
-        self.generation_config = None
+        self.generation_config = (
+            type("G", (), {"eos_token_id": generation_config.get("eos_token_id")})() if generation_config else None
+        )
+
+
+def _generation_config(model_dir: Path) -> dict[str, Any] | None:
+    """generation_config.json: its EOS ids end vLLM's completions too (as they do the hf engine's)."""
+    path = model_dir / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _checkpoint_shapes(model_dir: Path) -> dict[str, list[int]]:

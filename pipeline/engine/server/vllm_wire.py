@@ -29,6 +29,12 @@ def completion_body(item: WorkItem, served_name: str, *, stream: bool) -> dict[s
         "top_p": params.top_p,
         "top_k": params.top_k if params.top_k > 0 else 0,  # vLLM: 0 disables, SGLang: -1
         "min_p": params.min_p,
+        # Sent although neutral: vLLM fills every field a request leaves out from the model's
+        # generation_config.json (e.g. Qwen's repetition_penalty 1.05), which SGLang's protocol does not.
+        "repetition_penalty": params.repetition_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "presence_penalty": params.presence_penalty,
+        "min_tokens": params.min_new_tokens,
         "ignore_eos": params.ignore_eos,
         "skip_special_tokens": params.skip_special_tokens,
         "spaces_between_special_tokens": params.spaces_between_special_tokens,
@@ -40,7 +46,7 @@ def completion_body(item: WorkItem, served_name: str, *, stream: bool) -> dict[s
     }
     if params.stop_strings():
         body["stop"] = params.stop_strings()
-    if params.stop_token_ids:
+    if params.stop_token_ids and not params.ignore_eos:  # SGLang's ignore_eos disables them; vLLM's does not
         body["stop_token_ids"] = list(params.stop_token_ids)
     if params.sampling_seed is not None:
         body["seed"] = params.sampling_seed

