@@ -18,6 +18,7 @@ The vLLM version must be inside the `vllm` extra's range in pyproject.toml: outs
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -56,7 +57,8 @@ def judge(mode: str, spec: ProcSpec, stdin: Any = None) -> dict[str, Any]:
     """One judge run over the vLLM command line of `spec`, with the environment arl starts vLLM with."""
     argv = spec.argv
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"], argv
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), **spec.env}
+    inherited = {k: v for k, v in os.environ.items() if k != "VLLM_SERVER_DEV_MODE"}  # the spec says it or not
+    env = {**inherited, **spec.env}  # as the inference stage starts it
     done = subprocess.run([str(VLLM_PYTHON), "-W", "ignore", str(JUDGE), mode, "--", *argv[3:]], env=env,
                           input=None if stdin is None else json.dumps(stdin), capture_output=True, text=True,
                           timeout=300, check=False)  # fmt: skip
