@@ -29,7 +29,9 @@ What is vLLM's own code, unchanged:
 The boundary (what runs here, on the CPU build): the config is created for vLLM's CPU platform, so
 `create_engine_config` does not run the CUDA platform's `check_and_update_config` (attention backend,
 CUDA graphs, the GPU count against `--tensor-parallel-size`, memory checks at start) and `--dtype`
-is resolved as the CPU platform resolves it. No engine starts, no model is loaded, nothing is sampled.
+is resolved as the CPU platform resolves it. The CUDA platform cannot stand in: `vllm.platforms.cuda` does
+not import in the CPU build (no `vllm._C_stable_libtorch`). No engine starts, no model is loaded, nothing
+is sampled: vLLM's responses are checked by `test_vllm_backend.py`, which runs a real CPU server.
 """
 
 from __future__ import annotations
