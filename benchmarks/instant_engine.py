@@ -1,8 +1,8 @@
 """The benchmark harness's *instant engine*: a minimal server of the engine protocol (docs/inference.md).
 
 It answers `POST /generate` at once with a fixed token list (log-probability -0.5 each, finish
-reason `stop` on the last token), streamed or not, plus `GET /health`, `/get_model_info`,
-`/get_weight_version` and `POST /abort_request`. It does no inference at all: measured through
+reason `stop` on the last token), streamed or not, plus `GET /health`, `/model_info` (with the
+`weight_version`), `/server_info` and `POST /abort_request`. It does no inference at all: measured through
 it, a request's latency is the cost of the proxy (or of the HTTP client) alone. It is a raw ASGI
 app on uvicorn with precomputed response bytes, so its own cost is as close to the HTTP floor as
 this stack gets. Not a test double: nothing in tests/ uses it; `benchmarks/proxy_overhead.py`
@@ -34,9 +34,10 @@ def make_app(output_ids: list[int], weight_version: int = 0) -> Callable[..., Aw
     streamed = b"data: " + plain + b"\n\ndata: [DONE]\n\n"
     small = {
         b"/health": b"{}",
-        b"/get_model_info": json.dumps({"model_path": "instant", "is_generation": True}).encode(),
-        b"/get_weight_version": json.dumps({"weight_version": str(weight_version)}).encode(),
-        b"/get_server_info": json.dumps({"tp_size": 1}).encode(),
+        b"/model_info": json.dumps(
+            {"model_path": "instant", "is_generation": True, "weight_version": str(weight_version)}
+        ).encode(),
+        b"/server_info": json.dumps({"tp_size": 1}).encode(),
         b"/abort_request": b"{}",
         b"/ping": b"{}",
     }

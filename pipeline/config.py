@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from pipeline.errors import ConfigError
 from schemas.config import ArlConfig
-from schemas.config.base import RENAMED_KEY
+from schemas.config.base import RENAMED_KEY, UNSUPPORTED
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ArlConfig:
@@ -126,10 +126,14 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
 
 
 def _format_errors(exc: ValidationError, source: str) -> str:
+    """One line for one problem (`invalid config (f.yaml): ...`), else one line per problem."""
     lines = [f"invalid config ({source}):"]
     for err in exc.errors():
         loc = tuple(err["loc"])
         path = ".".join(str(p) for p in loc)
+        if err["type"] == UNSUPPORTED:
+            lines.append(f"  {err['msg']}")
+            continue
         if err["type"] == RENAMED_KEY:
             ctx = err.get("ctx", {})
             lines.append(f"  {'.'.join([*map(str, loc), str(ctx.get('old'))])} was replaced: {ctx.get('hint')}")
@@ -144,4 +148,4 @@ def _format_errors(exc: ValidationError, source: str) -> str:
         if expected:
             msg = f"{msg} (valid choices: {expected})"
         lines.append(f"  {path}: {msg}; got {err.get('input')!r}")
-    return "\n".join(lines)
+    return f"{lines[0]} {lines[1].strip()}" if len(lines) == 2 else "\n".join(lines)

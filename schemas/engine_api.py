@@ -197,6 +197,17 @@ class DestroyWeightsUpdateGroupReqInput(_Strict):
     group_name: str = "weight_update_group"
 
 
+class BeginWeightUpdateReqInput(_Strict):
+    """Opens a weight-update session: `/update_weights_from_distributed` is refused outside one."""
+
+    selector: Literal["target", "draft", "all"] = "all"
+    """SGLang's runners the session covers (a draft model for speculative decoding); arl's servers have one."""
+
+
+class EndWeightUpdateReqInput(_Strict):
+    """Closes the session `/begin_weight_update` opened (SGLang's body has no fields)."""
+
+
 class UpdateWeightsFromDistributedReqInput(_Strict):
     names: list[str] = Field(min_length=1)
     dtypes: list[str]
@@ -230,7 +241,7 @@ class InferenceEntry(BaseModel):
     backend: Literal["hf", "vllm", "sglang"]
     model_path: str
     weight_version: int = Field(ge=0)
-    """Version the server loaded at start (later updates are reported by `/get_weight_version`)."""
+    """Version the server loaded at start (later updates are reported as `weight_version` by `/model_info`)."""
     host: str
     pid: int
     started_at: float

@@ -1,11 +1,19 @@
 """Weight publication: get version v onto every registered inference server, then announce it.
 
-`disk`: every server reloads the checkpoint directory (`/update_weights_from_disk`).
+`disk`: every server reloads the checkpoint directory (`/update_weights_from_disk`; SGLang needs no
+pause or session for it: the load waits for the requests in flight, then flushes the idle cache).
 `nccl`: a broadcast group (trainer = rank 0, then each server's TP ranks) is set up once through
 `/init_weights_update_group`; each version is sent as buckets of HF-named tensors, each bucket
 announced by `/update_weights_from_distributed` WHILE rank 0 broadcasts it (the server's handler
 blocks in the matching receives, so the HTTP call and the broadcast must overlap: the admin calls
 run on an event loop in a background thread). Backend `gloo` on CPU, `nccl` on GPU.
+
+One version over the group follows SGLang's protocol (docs/inference.md, "Weight updates"):
+pause (mode `retract`: no token is generated from half-updated weights, and the cache can be
+flushed) -> `/begin_weight_update` -> the buckets (`flush_cache: false` and no version, the last one
+with the version and `flush_cache: true`) -> `/end_weight_update` -> `/continue_generation`. The
+end and the continue run even when a step failed, so a failed update never leaves a server paused
+or its session open. Every step has the publish deadline; errors name the step and the servers.
 
 The trainer announces the version (`state/weight_version.json`, via `pipeline.weight_version`) only
 after every server confirmed it; a server that fails is named in the error (`EngineError` lists
@@ -17,11 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import socket
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -92,13 +101,32 @@ class _ClientOwner:
         self.runner.run(self.client.start(), timeout_s)
 
     def call(self, coro: Coroutine[Any, Any, T], what: str) -> T:
+        return self.wait(self.runner.submit(coro), what)
+
+    def wait(self, future: concurrent.futures.Future[T], what: str) -> T:
+        """The result of an admin call, within the publish deadline (then it is cancelled)."""
         try:
-            return self.runner.run(coro, self.timeout_s)
+            return future.result(timeout=self.timeout_s)
         except (TimeoutError, concurrent.futures.TimeoutError):
+            future.cancel()
             raise ArlError(
                 f"{what} not confirmed within trainer.publish_timeout_s={self.timeout_s:.0f}s by servers "
                 f"{self.urls()}; see logs/inference/ (raise the timeout for big models)"
             ) from None
+
+    @contextlib.contextmanager
+    def afterwards(self, step: Callable[[], Coroutine[Any, Any, Any]], what: str) -> Iterator[None]:
+        """Run `step` after the block, also when the block failed (then a failing `step` is logged, so
+        the block's error is the one raised)."""
+        try:
+            yield
+        except BaseException:
+            try:
+                self.call(step(), what)
+            except Exception as exc:  # the block's error says what went wrong first
+                log.error("%s after a failed publication failed too: %s", what, exc)
+            raise
+        self.call(step(), what)
 
     def close(self) -> None:
         try:
@@ -155,16 +183,26 @@ class BroadcastPublisher:
                 f"now {urls}); restart the trainer (it resumes exactly) or use trainer.weight_sync=disk"
             )
         tensors = {k: v for k, v in state_dict.items() if not (self.tied and k == "lm_head.weight")}
-        for bucket in buckets(tensors, BUCKET_BYTES):
-            self._send(bucket, version)
+        self._send_version(version, buckets(tensors, BUCKET_BYTES))
         return urls
+
+    def _send_version(self, version: int, parts: list[dict[str, torch.Tensor]]) -> None:
+        """pause (retract) -> begin -> buckets -> end -> continue; end and continue also after a failure."""
+        client, owner = self.owner.client, self.owner
+        with owner.afterwards(client.continue_generation, f"/continue_generation after version {version}"):
+            owner.call(client.pause_generation("retract"), f"/pause_generation (retract) before version {version}")
+            with owner.afterwards(client.end_weight_update, f"/end_weight_update of version {version}"):
+                owner.call(client.begin_weight_update(), f"/begin_weight_update of version {version}")
+                for i, bucket in enumerate(parts):
+                    last = i == len(parts) - 1
+                    self._send(bucket, version if last else None, version, f"bucket {i + 1}/{len(parts)}")
 
     def _setup(self, urls: list[str]) -> None:
         """Join as rank 0 (the engine's own `init_weight_group`, SGLang-compatible) while every server joins
         through `/init_weights_update_group`."""
         address = "127.0.0.1" if all(_is_loopback(u) for u in urls) else socket.gethostbyname(socket.getfqdn())
         port = free_port("0.0.0.0")  # the store listens on every interface: the port must be free on all
-        world = self.owner.call(self.owner.client.weights_group_world_size(), "/get_server_info")
+        world = self.owner.call(self.owner.client.weights_group_world_size(), "/server_info")
         write_json_atomic(self.paths.weight_sync, {"master_address": address, "master_port": port,
                                                    "group_name": GROUP_NAME, "backend": self.backend,
                                                    "world_size": world, "created_at": time.time()})  # fmt: skip
@@ -172,25 +210,31 @@ class BroadcastPublisher:
                                                                                       self.backend))  # fmt: skip
         self.group = init_weight_group(address, port, rank=0, world_size=world, group_name=GROUP_NAME,
                                        backend=self.backend, timeout_s=self.owner.timeout_s)  # fmt: skip
-        joined.result(timeout=self.owner.timeout_s)
+        self.owner.wait(joined, "/init_weights_update_group")
         self.members = list(urls)
         log.info(
             "weight broadcast group %s ready: %s world %d at %s:%d", GROUP_NAME, self.backend, world, address, port
         )
 
-    def _send(self, bucket: dict[str, torch.Tensor], version: int) -> None:
+    def _send(self, bucket: dict[str, torch.Tensor], announce: int | None, version: int, which: str) -> None:
+        """One bucket: the servers' receive (HTTP) and rank 0's broadcast, overlapping. Only the last bucket
+        `announce`s the version and flushes: SGLang records the version when a bucket loads."""
         names = list(bucket)
         dtypes = [dtype_name(t.dtype) for t in bucket.values()]
         shapes = [list(t.shape) for t in bucket.values()]
-        confirmed = self.owner.runner.submit(
-            self.owner.client.update_weights_from_distributed(names, dtypes, shapes, GROUP_NAME, version)
+        update = self.owner.client.update_weights_from_distributed(
+            names, dtypes, shapes, GROUP_NAME, announce, flush_cache=announce is not None
         )
-        broadcast_from_trainer(self.group, [t.to(self.device) for t in bucket.values()])
+        confirmed = self.owner.runner.submit(update)
+        what = f"/update_weights_from_distributed of version {version}, {which}"
         try:
-            confirmed.result(timeout=self.owner.timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise ArlError(f"/update_weights_from_distributed of version {version} not confirmed within "
-                           f"{self.owner.timeout_s:.0f}s by {self.members}") from None  # fmt: skip
+            broadcast_from_trainer(self.group, [t.to(self.device) for t in bucket.values()])
+        except Exception as exc:
+            if confirmed.done() and confirmed.exception() is not None:
+                raise ArlError(f"{what}: the broadcast failed ({exc}) after the servers refused: "
+                               f"{confirmed.exception()}") from exc  # fmt: skip
+            raise
+        self.owner.wait(confirmed, what)
 
     def close(self) -> None:
         if self.group is not None:

@@ -7,11 +7,12 @@ directory live in `pipeline.config`.
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
 
-from schemas.config.base import Block
+from schemas.config.base import UNSUPPORTED, Block
 from schemas.config.cluster import ClusterConfig, StageResources
-from schemas.config.inference import InferenceConfig
+from schemas.config.inference import InferenceConfig, sglang_replica_flags
 from schemas.config.model import ModelConfig
 from schemas.config.proxy import ProxyConfig
 from schemas.config.rollout import DatasetConfig, RolloutConfig
@@ -54,3 +55,18 @@ class ArlConfig(Block):
     """Algorithm, optimizer, checkpoints, weight publication."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     """Slurm resources per stage."""
+
+    @model_validator(mode="after")
+    def _broadcast_reaches_every_rank(self) -> ArlConfig:
+        """The weight-broadcast group counts each server's tensor-parallel ranks only, and SGLang refuses
+        `update_weights_from_distributed` with data-parallel replicas: dp/pp cannot take a broadcast."""
+        if self.inference.backend == "sglang" and self.trainer.weight_sync == "nccl":
+            for flag, value in sglang_replica_flags(self.inference.extra_args):
+                raise PydanticCustomError(
+                    UNSUPPORTED,
+                    "inference.extra_args sets {flag} {value}, but trainer.weight_sync=nccl broadcasts to each "
+                    "server's tensor-parallel ranks only (SGLang accepts it with dp_size 1 and pp_size 1 only): use "
+                    "trainer.weight_sync=disk, or more servers (inference.num_servers) instead of {flag}",
+                    {"flag": flag, "value": value},
+                )
+        return self

@@ -29,3 +29,5 @@ class Block(BaseModel):
 
 RENAMED_KEY = "renamed_key"
 """The pydantic error type of a renamed key (its context holds `old` and `hint`)."""
+UNSUPPORTED = "unsupported_combination"
+"""The pydantic error type of settings that cannot work together (its message names them and the fix)."""

@@ -34,3 +34,22 @@ class InferenceConfig(Block):
     """Deadline for a server to become healthy."""
     request_timeout_s: float = Field(600.0, gt=0)
     """Per-request deadline in the engine client."""
+
+
+# SGLang's flags (and the abbreviations its argparse accepts) that add ranks the weight-broadcast group does
+# not count: it holds the trainer and every server's tensor-parallel ranks, nothing else.
+_REPLICA_FLAGS = {"--dp-size": "--dp", "--data-parallel-size": "--data-p", "--pp-size": "--pp-s",
+                  "--pipeline-parallel-size": "--pipeline-p"}  # fmt: skip
+
+
+def sglang_replica_flags(extra_args: list[str]) -> list[tuple[str, str]]:
+    """(flag as written, value) for each data- or pipeline-parallel size above 1 in SGLang's `extra_args`."""
+    found = []
+    for i, arg in enumerate(extra_args):
+        flag, eq, value = arg.partition("=")
+        if not eq:
+            value = extra_args[i + 1] if i + 1 < len(extra_args) else ""
+        is_replica = any(name.startswith(flag) and flag.startswith(short) for name, short in _REPLICA_FLAGS.items())
+        if is_replica and value.isdigit() and int(value) > 1:  # anything else is for SGLang's parser to refuse
+            found.append((flag, value))
+    return found

@@ -212,7 +212,7 @@ def test_n_samples_and_seeded_sampling(server: ServerHandle):
 def test_max_new_tokens_zero_and_context_clipping(server: ServerHandle):
     data = post(server, {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 0}}).json()
     assert data["output_ids"] == [] and data["meta_info"]["finish_reason"]["type"] == "length"
-    max_context = httpx.get(server.url + "/get_model_info").json()["max_context"]
+    max_context = httpx.get(server.url + "/model_info").json()["max_context"]
     long_prompt = [5] * (max_context - 3)
     data = post(
         server, {"input_ids": long_prompt, "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}}
@@ -248,7 +248,7 @@ def test_bad_generate_requests_get_400_with_a_reason(server: ServerHandle, body:
 
 
 def test_prompt_longer_than_context_is_refused(server: ServerHandle):
-    max_context = httpx.get(server.url + "/get_model_info").json()["max_context"]
+    max_context = httpx.get(server.url + "/model_info").json()["max_context"]
     resp = post(server, {"input_ids": [5] * max_context})
     assert resp.status_code == 400
     assert "context" in resp.json()["error"]["message"]
@@ -278,6 +278,8 @@ def test_malformed_bodies_get_400(server: ServerHandle, raw: bytes):
         ("/update_weights_from_distributed", {"names": ["x"], "dtypes": [], "shapes": [[1]]}),
         ("/abort_request", {}),
         ("/pause_generation", {"mode": "sideways"}),
+        ("/begin_weight_update", {"selector": "everything"}),
+        ("/end_weight_update", {"unknown": 1}),
     ],
 )
 def test_bad_admin_requests_get_400_success_false(server: ServerHandle, path: str, body: dict[str, Any]):
@@ -289,11 +291,14 @@ def test_bad_admin_requests_get_400_success_false(server: ServerHandle, path: st
 def test_info_and_health_endpoints(server: ServerHandle, tiny_model_dir: Path):
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/health_generate", timeout=30).status_code == 200
-    info = httpx.get(server.url + "/get_model_info").json()
+    info = httpx.get(server.url + "/model_info").json()
     assert info["model_path"] == str(tiny_model_dir) and info["is_generation"] is True
     assert info["weight_version"] == "0"
+    assert httpx.get(server.url + "/server_info").json()["tp_size"] == 1
+    # SGLang's deprecated names answer the same; SGLang has no /get_weight_version (the version is in /model_info)
+    assert httpx.get(server.url + "/get_model_info").json() == info
     assert httpx.get(server.url + "/get_server_info").json()["tp_size"] == 1
-    assert httpx.get(server.url + "/get_weight_version").json() == {"weight_version": "0"}
+    assert httpx.get(server.url + "/get_weight_version").status_code == 404
     assert httpx.post(server.url + "/flush_cache").status_code == 200
 
 

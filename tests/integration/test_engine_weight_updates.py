@@ -67,7 +67,7 @@ async def test_update_from_disk_serves_new_weights_and_version(server: ServerHan
         assert await client.weight_version() == 3
     assert result.weight_version == 3
     assert max_diff(result.output_logprobs, teacher_forced(new, PROMPT, result.output_ids)) < 1e-4
-    assert httpx.get(server.url + "/get_model_info").json()["model_path"] == str(other_model_dir)
+    assert httpx.get(server.url + "/model_info").json()["model_path"] == str(other_model_dir)
 
 
 async def test_bad_checkpoint_is_refused_and_old_weights_stay(
@@ -195,29 +195,71 @@ async def test_update_from_distributed_over_gloo(subprocess_server: str, other_m
             timeout_s=60,
         )
         assert await joining == 2
-        with pytest.raises(EngineError) as info:  # checked before receiving: the trainer is not left hanging
-            await client.update_weights_from_distributed(["no.such.weight"], ["float32"], [[2]], "wg-test", 9)
-        assert info.value.status == 400 and "no.such.weight" in str(info.value)
         names = [n for n, _ in named]
         dtypes = [dtype_name(t.dtype) for _, t in named]
         shapes = [list(t.shape) for _, t in named]
+        # Outside a session (SGLang's rule): refused before receiving, so the trainer never broadcasts.
+        with pytest.raises(EngineError) as outside:
+            await client.update_weights_from_distributed(names, dtypes, shapes, "wg-test", weight_version=4)
+        assert outside.value.status == 400 and "/begin_weight_update" in str(outside.value)
+        await client.begin_weight_update()
+        with pytest.raises(EngineError) as info:  # checked before receiving: the trainer is not left hanging
+            await client.update_weights_from_distributed(["no.such.weight"], ["float32"], [[2]], "wg-test", 9)
+        assert info.value.status == 400 and "no.such.weight" in str(info.value)
         await asyncio.gather(
             client.update_weights_from_distributed(names, dtypes, shapes, "wg-test", weight_version=5),
             asyncio.to_thread(broadcast_from_trainer, group, [t for _, t in named]),
         )
+        await client.end_weight_update()
         result = await client.generate(PROMPT, SAMPLING)
-        # A second update over the same group works too (the group persists between steps).
+        # A second version over the same group works too (the group persists between steps), here in two
+        # buckets: the first keeps the served version, the last one sets it.
+        await client.begin_weight_update()
         await asyncio.gather(
-            client.update_weights_from_distributed(names[:1], dtypes[:1], shapes[:1], "wg-test", weight_version=6),
+            client.update_weights_from_distributed(names[:1], dtypes[:1], shapes[:1], "wg-test", None,
+                                                   flush_cache=False),
             asyncio.to_thread(broadcast_from_trainer, group, [named[0][1]]),
+        )  # fmt: skip
+        assert await client.weight_version() == 5
+        await asyncio.gather(
+            client.update_weights_from_distributed(names[1:2], dtypes[1:2], shapes[1:2], "wg-test", weight_version=6),
+            asyncio.to_thread(broadcast_from_trainer, group, [named[1][1]]),
         )
+        await client.end_weight_update()
         assert await client.weight_version() == 6
     assert result.weight_version == 5
     assert max_diff(result.output_logprobs, teacher_forced(new, PROMPT, result.output_ids)) < 1e-4
 
 
+async def test_weight_update_sessions_follow_sglang(server: ServerHandle):
+    """One session at a time: a second begin and an end without a begin are refused (400, SGLang's rule)."""
+    async with EngineClient([server.url]) as client:
+        with pytest.raises(EngineError) as no_session:
+            await client.end_weight_update()
+        await client.begin_weight_update()
+        with pytest.raises(EngineError) as twice:
+            await client.begin_weight_update()
+        await client.end_weight_update()
+        await client.begin_weight_update()  # a closed session can be opened again
+        await client.end_weight_update()
+    assert no_session.value.status == 400 and "/begin_weight_update" in str(no_session.value)
+    assert twice.value.status == 400 and "/end_weight_update" in str(twice.value)
+
+
+async def test_disk_update_needs_no_session(server: ServerHandle, other_model_dir: Path):
+    """As in SGLang, only broadcast updates need a session; a disk load inside an open one works as well."""
+    async with EngineClient([server.url]) as client:
+        await client.update_weights_from_disk(str(other_model_dir), weight_version=2)
+        await client.begin_weight_update()
+        await client.update_weights_from_disk(str(other_model_dir), weight_version=3)
+        await client.end_weight_update()
+        assert await client.weight_version() == 3
+
+
 async def test_distributed_update_without_a_group_is_refused(server: ServerHandle):
     async with EngineClient([server.url]) as client:
+        await client.begin_weight_update()
         with pytest.raises(EngineError) as info:
             await client.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[128]], "nope", 1)
+        await client.end_weight_update()
     assert info.value.status == 400 and "init_weights_update_group" in str(info.value)

@@ -54,7 +54,7 @@ def two_servers(tiny_model_dir: Path, tmp_path: Path) -> Iterator[list[tuple[str
 
 
 def busy(url: str) -> int:
-    info = httpx.get(f"{url}/get_server_info", timeout=10).json()
+    info = httpx.get(f"{url}/server_info", timeout=10).json()
     return int(info["running"]) + int(info["waiting"])
 
 
@@ -78,7 +78,6 @@ class KillOutcome:
 async def kill_mid_request(url_a: str, proc_a: subprocess.Popen[bytes], url_b: str) -> KillOutcome:
     """2 plain + 2 streamed long requests over A and B (least-in-flight puts one of each on A); SIGKILL A."""
     async with EngineClient([url_a, url_b], health_interval_s=0, request_timeout_s=300) as client:
-
         received = [0, 0]
 
         async def streamed(i: int) -> list[int]:
@@ -143,7 +142,7 @@ async def test_a_request_after_the_servers_keep_alive_expired_is_not_lost(tiny_m
     assert len(result.output_ids) == 2
 
 
-AGENT = '''
+AGENT = """
 from openai import AsyncOpenAI
 
 class LongCall:
@@ -157,7 +156,7 @@ class LongCall:
         else:
             await client.chat.completions.create(model="m", messages=messages, max_tokens=300)
         return float(data["i"] % 3)
-'''
+"""
 
 
 def rollout_run(tmp_path: Path, model_dir: Path, urls: list[str], num_servers: int = 1) -> RunPaths:

@@ -20,10 +20,10 @@ import pytest
 
 EXAMPLES = int(os.environ.get("ARL_FUZZ_EXAMPLES", "80"))
 TIMEOUT_S = 60.0
-GETS = ["/health", "/health_generate", "/get_model_info", "/get_server_info", "/get_weight_version"]
+GETS = ["/health", "/health_generate", "/model_info", "/server_info", "/get_model_info", "/get_server_info"]
 ADMIN_PATHS = {"/abort_request", "/pause_generation", "/continue_generation", "/update_weights_from_disk",
-               "/init_weights_update_group", "/destroy_weights_update_group",
-               "/update_weights_from_distributed", "/flush_cache"}  # fmt: skip
+               "/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update",
+               "/update_weights_from_distributed", "/end_weight_update", "/flush_cache"}  # fmt: skip
 
 
 def protocol_schema() -> dict[str, Any]:
@@ -37,7 +37,9 @@ def protocol_schema() -> dict[str, Any]:
               "/update_weights_from_disk": api.UpdateWeightFromDiskReqInput,
               "/init_weights_update_group": api.InitWeightsUpdateGroupReqInput,
               "/destroy_weights_update_group": api.DestroyWeightsUpdateGroupReqInput,
-              "/update_weights_from_distributed": api.UpdateWeightsFromDistributedReqInput}  # fmt: skip
+              "/begin_weight_update": api.BeginWeightUpdateReqInput,
+              "/update_weights_from_distributed": api.UpdateWeightsFromDistributedReqInput,
+              "/end_weight_update": api.EndWeightUpdateReqInput}  # fmt: skip
     models: list[Any] = [(m, "validation") for m in (*bodies.values(), api.SamplingParams)]
     _, defs = models_json_schema(models, ref_template="#/components/schemas/{model}")
     schemas = defs["$defs"]

@@ -148,7 +148,7 @@ def test_cli_stage_serves_the_checkpoint_and_cleans_up_on_sigterm(tmp_path: Path
         wait_for(lambda: read_entries(paths) or proc.poll() is not None)
         (entry,) = read_entries(paths).values()
         assert entry.weight_version == 4 and entry.model_path == str(paths.checkpoint_dir(4))
-        assert httpx.get(entry.url + "/get_weight_version").json() == {"weight_version": "4"}
+        assert httpx.get(entry.url + "/model_info").json()["weight_version"] == "4"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         assert read_entries(paths) == {}

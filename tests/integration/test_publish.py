@@ -1,6 +1,8 @@
 """Weight publication against a real `hf` engine server on loopback: after the trainer publishes
 version 1 (disk reload, or a gloo broadcast from a trainer subprocess), the engine's log-probs
-equal a teacher-forced pass of the trainer's checkpoint, and the version is announced only then."""
+equal a teacher-forced pass of the trainer's checkpoint, and the version is announced only then.
+The broadcast follows SGLang's order (pause retract, begin, buckets, end, continue): a completion
+running through it switches weights between two tokens, and a failed step leaves no server paused."""
 
 from __future__ import annotations
 
@@ -9,10 +11,13 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import torch
 
@@ -23,6 +28,7 @@ from pipeline.engine.server.hf import ServerHandle, start_hf_server
 from pipeline.handoff import read_json
 from pipeline.paths import RunPaths
 from pipeline.stage import StageContext
+from pipeline.trainer import publish
 from pipeline.trainer.loop import run_trainer
 from pipeline.trainer.publish import buckets
 from schemas.engine_api import InferenceEntry
@@ -111,3 +117,117 @@ def test_buckets_keep_order_and_size() -> None:
     tensors = {f"t{i}": torch.zeros(n) for i, n in enumerate([10, 30, 5, 100, 1])}
     out = buckets(tensors, max_bytes=40 * 4)
     assert [list(b) for b in out] == [["t0", "t1"], ["t2"], ["t3"], ["t4"]]
+
+
+@pytest.fixture
+def server_process(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
+    """An `hf` server in its own process, so that this process can be the trainer (rank 0) of a real group."""
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline.engine.server.hf", "--model-path", str(tiny_model_dir),
+                                 "--port", str(port), "--device", "cpu", "--seed", "0"], cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not _healthy(url):
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, f"server not healthy: {log_path.read_text()[-3000:]}"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def broadcast_publisher(tmp_path: Path, url: str, model: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    # A group name of its own: an in-process server of another test may still hold "arl-weights" in torch's
+    # process-wide registry of group names.
+    monkeypatch.setattr(publish, "GROUP_NAME", f"arl-weights-{tmp_path.name}")
+    paths = RunPaths.from_config(str(tmp_path), "publish", "broadcast")
+    register(paths, "s0", url, model)
+    return publish.make_publisher("nccl", paths, timeout_s=60, tied_embeddings=True)
+
+
+def other_weights(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "seed1", template="qwen", seed=1)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return model_dir, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_broadcast_swaps_weights_between_two_tokens_of_a_running_completion(
+    server_process: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several buckets while a completion streams: its tokens before the swap come from the old weights
+    with version 0, every token after from the new weights (KV recomputed after the retract) with version 1;
+    nothing in between, and the server ends unpaused with its session closed."""
+    monkeypatch.setattr(publish, "BUCKET_BYTES", 256 * 1024)  # the tiny model in several buckets
+    new_dir, state = other_weights(tmp_path)
+    assert len(buckets(state, publish.BUCKET_BYTES)) > 2
+    chunks: list[Any] = []
+
+    async def consume() -> None:
+        async with EngineClient([server_process], health_interval_s=0) as client:
+            params = {"max_new_tokens": 300, "temperature": 1.0, "ignore_eos": True}
+            async for chunk in client.generate_stream(PROMPT, params):
+                chunks.append(chunk)
+
+    stream = threading.Thread(target=asyncio.run, args=(consume(),))
+    stream.start()
+    publisher = broadcast_publisher(tmp_path, server_process, tiny_model_dir, monkeypatch)
+    try:
+        deadline = time.monotonic() + 60
+        while len(chunks) < 3:
+            assert time.monotonic() < deadline and stream.is_alive(), "the completion did not start"
+            time.sleep(0.01)
+        assert publisher.publish(1, None, state) == [server_process]
+    finally:
+        publisher.close()
+        stream.join(timeout=120)
+    ids = [t for c in chunks for t in c.new_ids]
+    versions = [c.weight_version for c in chunks for _ in c.new_ids]
+    logprobs = [lp for c in chunks for lp in c.new_logprobs]
+    switch = versions.index(1)
+    assert 0 < switch < len(ids) == 300 and set(versions[:switch]) == {0} and set(versions[switch:]) == {1}
+    old_lp, new_lp = teacher_forced(tiny_model_dir, ids), teacher_forced(new_dir, ids)
+    assert max(abs(a - b) for a, b in zip(logprobs[:switch], old_lp[:switch], strict=True)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(logprobs[switch:], new_lp[switch:], strict=True)) < 1e-4
+    info = httpx.get(server_process + "/server_info").json()
+    assert info["paused"] is None and info["weight_version"] == "1"
+    assert httpx.post(server_process + "/begin_weight_update", json={}).status_code == 200  # the session closed
+    assert httpx.post(server_process + "/end_weight_update", json={}).status_code == 200
+
+
+@pytest.mark.slow
+def test_a_failed_broadcast_step_is_named_and_leaves_no_server_paused(
+    server_process: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session left open (a trainer that died mid-update) makes /begin_weight_update fail: the error names
+    the step and the server, the publisher still ends the session and continues generation, and the next
+    publication goes through."""
+    _, state = other_weights(tmp_path)
+    publisher = broadcast_publisher(tmp_path, server_process, tiny_model_dir, monkeypatch)
+    try:
+        assert httpx.post(server_process + "/begin_weight_update", json={}).status_code == 200
+        with pytest.raises(EngineError) as failed:
+            publisher.publish(1, None, state)
+        assert "/begin_weight_update" in str(failed.value) and failed.value.server == server_process
+        info = httpx.get(server_process + "/server_info").json()
+        assert info["paused"] is None and info["weight_version"] == "0"
+        assert publisher.publish(1, None, state) == [server_process]
+    finally:
+        publisher.close()
+    assert httpx.get(server_process + "/model_info").json()["weight_version"] == "1"

@@ -189,6 +189,10 @@ async def test_update_from_distributed_over_gloo(vllm_url: str, tmp_path: Path):
             timeout_s=300,
         )
         await join
+        with pytest.raises(EngineError) as outside:  # no session open (SGLang's rule): refused before receiving
+            await client.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[128]], "vllm-wg", 9)
+        assert outside.value.status == 400 and "/begin_weight_update" in str(outside.value)
+        await client.begin_weight_update()
         with pytest.raises(EngineError):  # refused before the broadcast starts: nobody hangs
             await client.update_weights_from_distributed(["nope.weight"], ["float32"], [[1]], "vllm-wg", 9)
         await asyncio.gather(
@@ -201,6 +205,7 @@ async def test_update_from_distributed_over_gloo(vllm_url: str, tmp_path: Path):
             ),
             asyncio.to_thread(broadcast_from_trainer, group, [t for _, t in named]),
         )
+        await client.end_weight_update()
         result = await client.generate(PROMPT, {"max_new_tokens": 8, "ignore_eos": True})
     assert result.weight_version == 3
     assert close(result.output_logprobs, teacher_forced(new, PROMPT, result.output_ids))
@@ -211,3 +216,50 @@ async def test_update_from_distributed_over_gloo(vllm_url: str, tmp_path: Path):
     destroy_weight_group(group)
     assert left.status_code == 200 and left.json()["success"] is True, left.text
     assert again.status_code == 400 and "vllm-wg" in again.text, again.text
+
+
+def test_broadcast_publisher_in_buckets(vllm_url: str, tiny_model_dir: Path, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """arl's publisher against the adapter, in several buckets (pause, begin, buckets, end, continue): the
+    version moves only with the last bucket, the new weights serve, and the adapter ends unpaused."""
+    from pipeline.engine.registry import write_entry
+    from pipeline.paths import RunPaths
+    from pipeline.tiny_model import make_tiny_model
+    from pipeline.trainer import publish
+    from pipeline.trainer.checkpoint import buckets
+    from schemas.engine_api import InferenceEntry
+
+    new = load(make_tiny_model(tmp_path / "seed3", seed=3))
+    state = {k: v.detach().clone() for k, v in new.state_dict().items()}
+    monkeypatch.setattr(publish, "BUCKET_BYTES", 256 * 1024)
+    monkeypatch.setattr(publish, "GROUP_NAME", "vllm-publish")
+    assert len(buckets(state, publish.BUCKET_BYTES)) > 2
+    before = httpx.get(vllm_url + "/model_info").json()["weight_version"]
+    versions_seen: list[int | None] = []
+    real_update = EngineClient.update_weights_from_distributed
+
+    async def update(self: EngineClient, *args: Any, **kwargs: Any) -> None:  # what each bucket announced
+        await real_update(self, *args, **kwargs)
+        versions_seen.append(int(httpx.get(vllm_url + "/model_info").json()["weight_version"]))
+
+    monkeypatch.setattr(EngineClient, "update_weights_from_distributed", update)
+    paths = RunPaths.from_config(str(tmp_path), "vllm", "publish")
+    write_entry(paths, "s0", InferenceEntry(url=vllm_url, backend="vllm", model_path=str(tiny_model_dir),
+                                            weight_version=0, host="127.0.0.1", pid=os.getpid(),
+                                            started_at=time.time()))  # fmt: skip
+    publisher = publish.make_publisher("nccl", paths, timeout_s=300, tied_embeddings=True)
+    try:
+        assert publisher.publish(7, None, state) == [vllm_url]
+    finally:
+        publisher.close()
+    assert versions_seen[:-1] == [int(before)] * (len(versions_seen) - 1) and versions_seen[-1] == 7
+    info = httpx.get(vllm_url + "/server_info").json()
+    assert info["paused"] is False and info["weight_version"] == "7"
+
+    async def generate() -> Any:
+        async with EngineClient([vllm_url]) as client:
+            return await client.generate(PROMPT, {"max_new_tokens": 8, "ignore_eos": True})
+
+    result = asyncio.run(generate())
+    assert result.weight_version == 7
+    assert close(result.output_logprobs, teacher_forced(new, PROMPT, result.output_ids))

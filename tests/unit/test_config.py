@@ -111,3 +111,54 @@ def test_a_replaced_key_tells_the_new_one(tmp_path: Path) -> None:
         load_config(path)
     assert load_config(None, ["rollout.source=external"]).rollout.source == "external"
     assert load_config(None).rollout.source == "agent"
+
+
+BROADCAST_TO_SGLANG = ["inference.backend=sglang", "trainer.weight_sync=nccl"]
+
+
+@pytest.mark.parametrize(
+    ("extra_args", "flag"),
+    [
+        (["--dp-size", "2"], "--dp-size"),
+        (["--enable-metrics", "--dp=4"], "--dp"),
+        (["--data-parallel-size", "2"], "--data-parallel-size"),
+        (["--pp-size=2"], "--pp-size"),
+        (["--dp-size", "1", "--pipeline-parallel-size", "4"], "--pipeline-parallel-size"),
+    ],
+)  # fmt: skip
+def test_broadcast_to_sglang_refuses_data_or_pipeline_parallel_servers(tmp_path: Path, extra_args: list[str],
+                                                                      flag: str) -> None:  # fmt: skip
+    """The broadcast group counts tensor-parallel ranks only: one line naming the flag and the alternative."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"inference": {"backend": "sglang", "extra_args": extra_args},
+                                    "trainer": {"weight_sync": "nccl"}}))  # fmt: skip
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    message = str(refused.value)
+    assert "\n" not in message and f"sets {flag} " in message and "trainer.weight_sync=disk" in message, message
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [*BROADCAST_TO_SGLANG, "inference.extra_args=[--dp-size, '1', --tp-size, '4', --enable-metrics]"],
+        ["inference.backend=sglang", "trainer.weight_sync=disk", "inference.extra_args=[--dp-size, '2']"],
+        ["inference.backend=hf", "trainer.weight_sync=nccl", "inference.extra_args=[--dp-size, '2']"],
+    ],
+)  # fmt: skip
+def test_broadcast_to_sglang_accepts_tensor_parallel_and_disk_takes_any(overrides: list[str]) -> None:
+    load_config(None, overrides)
+
+
+def test_arl_launch_dry_run_refuses_it_before_creating_anything(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"fileroot": str(tmp_path / "runs"), "inference": {"backend": "sglang"},
+                                    "trainer": {"weight_sync": "nccl"}}))  # fmt: skip
+    result = CliRunner().invoke(app, ["launch", str(path), "inference.extra_args=[--dp-size, '2']", "--dry-run"])
+    assert result.exit_code == 2, result.output
+    assert "error: invalid config" in result.output and "--dp-size 2" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "runs").exists()

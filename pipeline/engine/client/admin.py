@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 
@@ -33,29 +33,28 @@ class AdminCalls(abc.ABC):
 
     # -- admin fan-out ------------------------------------------------------------------------
     async def model_info(self) -> dict[str, Any]:
-        """`/get_model_info` of the first server that answers."""
+        """`/model_info` of the first server that answers."""
         errors = []
         for url in self._admin_urls():
             try:
-                return await self._admin(url, "GET", "/get_model_info")
+                return await self._admin(url, "GET", "/model_info")
             except EngineError as exc:
                 errors.append(f"{url}: {exc}")
-        raise EngineError(f"no server answered /get_model_info: {errors}")
+        raise EngineError(f"no server answered /model_info: {errors}")
 
     async def weight_version(self) -> int:
         """The lowest weight version over the servers that answer (what every live server has at least).
 
-        A registry entry of a server that died (SIGKILL, a lost node) must not stop the rollout while
-        a live server serves; only when no server answers is it an error (naming every one).
+        SGLang reports it as `weight_version` in `/model_info` (it has no route of its own). A registry
+        entry of a server that died (SIGKILL, a lost node) must not stop the rollout while a live server
+        serves; only when no server answers is it an error (naming every one).
         """
         urls = self._admin_urls()
-        results = await asyncio.gather(
-            *(self._admin(u, "GET", "/get_weight_version") for u in urls), return_exceptions=True
-        )
+        results = await asyncio.gather(*(self._admin(u, "GET", "/model_info") for u in urls), return_exceptions=True)
         versions = [parse_weight_version(r.get("weight_version")) for r in results if isinstance(r, dict)]
         if not versions:
             detail = "; ".join(f"{u}: {r}" for u, r in zip(urls, results, strict=True)) or "no servers known"
-            raise EngineError(f"/get_weight_version failed on every server: {detail}", server=",".join(urls))
+            raise EngineError(f"/model_info failed on every server: {detail}", server=",".join(urls))
         return min(versions)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
@@ -64,8 +63,8 @@ class AdminCalls(abc.ABC):
         await self._fan_out("POST", "/update_weights_from_disk", body)
 
     async def server_tp_sizes(self) -> dict[str, int]:
-        """Tensor-parallel size of each server (`/get_server_info`), in routing order."""
-        answers = await self._fan_out("GET", "/get_server_info", None)
+        """Tensor-parallel size of each server (`/server_info`), in routing order."""
+        answers = await self._fan_out("GET", "/server_info", None)
         return {url: int(answers[url].get("tp_size", 1) or 1) for url in self._admin_urls()}
 
     async def weights_group_world_size(self) -> int:
@@ -103,23 +102,51 @@ class AdminCalls(abc.ABC):
         await self._fan_out("POST", "/init_weights_update_group", bodies)
         return world_size
 
+    async def begin_weight_update(self) -> None:
+        """Every server opens a weight-update session (SGLang refuses `update_weights_from_distributed`
+        outside one, and a second begin before `end_weight_update`)."""
+        await self._fan_out("POST", "/begin_weight_update", {})
+
     async def update_weights_from_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, weight_version: int
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: int | None,
+        *,
+        flush_cache: bool = True,
     ) -> None:
-        """Every server receives the named tensors from the group's rank 0 (broadcast in `names` order)."""
-        body = {
+        """Every server receives the named tensors from the group's rank 0 (broadcast in `names` order).
+
+        Only inside a session (`begin_weight_update` ... `end_weight_update`). A server records
+        `weight_version` as soon as this call loads (None: keeps its version), and with `flush_cache`
+        (SGLang's default) flushes its cache after the load, which SGLang refuses (the call fails, the
+        weights loaded) while any request holds KV cache: send the version and the flush with the last
+        bucket of a version only, with generation paused in mode `retract`.
+        """
+        body: dict[str, Any] = {
             "names": list(names),
             "dtypes": list(dtypes),
             "shapes": [list(s) for s in shapes],
             "group_name": group_name,
-            "weight_version": str(weight_version),
-            "flush_cache": True,
+            "flush_cache": flush_cache,
         }
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
         await self._fan_out("POST", "/update_weights_from_distributed", body)
 
-    async def pause_generation(self) -> None:
-        """Every server stops scheduling decode steps (requests in flight wait, they are not dropped)."""
-        await self._fan_out("POST", "/pause_generation", {"mode": "in_place"})
+    async def end_weight_update(self) -> None:
+        """Every server closes its weight-update session (SGLang finalises the loaded weights here)."""
+        await self._fan_out("POST", "/end_weight_update", {})
+
+    async def pause_generation(self, mode: Literal["in_place", "retract", "abort"] = "in_place") -> None:
+        """Every server stops scheduling decode steps (requests in flight wait, they are not dropped).
+
+        `in_place` keeps their KV cache; `retract` sends them back to the queue (their cache is
+        recomputed on continue, so a flush may follow: what a weight update needs).
+        """
+        await self._fan_out("POST", "/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> None:
         await self._fan_out("POST", "/continue_generation", {})

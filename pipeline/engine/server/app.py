@@ -1,10 +1,15 @@
 """The engine's HTTP app: SGLang's native protocol over any `EngineBackend` (the one route table).
 
 Every route of docs/inference.md is here, once, for every backend: `/health`, `/health_generate`,
-`/generate` (one answer, or Server-Sent Events), `/get_model_info`, `/get_server_info`,
-`/get_weight_version`, `/flush_cache`, `/abort_request`, `/pause_generation`, `/continue_generation`,
-`/update_weights_from_disk`, `/init_weights_update_group`, `/update_weights_from_distributed`,
-`/destroy_weights_update_group`.
+`/generate` (one answer, or Server-Sent Events), `/model_info`, `/server_info` (and SGLang's
+deprecated aliases `/get_model_info`, `/get_server_info`), `/flush_cache`, `/abort_request`,
+`/pause_generation`, `/continue_generation`, `/update_weights_from_disk`, `/init_weights_update_group`,
+`/begin_weight_update`, `/update_weights_from_distributed`, `/end_weight_update`,
+`/destroy_weights_update_group`. Every path is one SGLang 0.5.23 serves, with its meaning.
+
+Weight-update sessions are SGLang's: `/update_weights_from_distributed` is refused (400, before anything
+is received) unless `/begin_weight_update` opened a session that `/end_weight_update` has not closed yet,
+so a publisher that would hang against SGLang fails against arl's servers too.
 
 Every body is parsed here; input the server cannot serve is a 400 that names the problem, in
 `{"error": {"message", "type", "code"}}` on `/generate` and SGLang's `{"success": false, "message"}`
@@ -30,7 +35,9 @@ from pipeline.engine.server.requests import RequestError, WorkItem, expand, resp
 from pipeline.engine.tokens import TopEntry
 from schemas.engine_api import (
     AbortReq,
+    BeginWeightUpdateReqInput,
     DestroyWeightsUpdateGroupReqInput,
+    EndWeightUpdateReqInput,
     GenerateReqInput,
     InitWeightsUpdateGroupReqInput,
     PauseGenerationReqInput,
@@ -206,17 +213,16 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def _info_routes(app: FastAPI, backend: EngineBackend) -> None:
+    # SGLang's current names, and the deprecated ones it still serves (older clients call them).
+    @app.get("/model_info")
     @app.get("/get_model_info")
-    async def get_model_info() -> dict[str, Any]:
+    async def model_info() -> dict[str, Any]:
         return backend.model_info()
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
-    async def get_server_info() -> dict[str, Any]:
+    async def server_info() -> dict[str, Any]:
         return backend.server_info()
-
-    @app.get("/get_weight_version")
-    async def get_weight_version() -> dict[str, Any]:
-        return {"weight_version": str(backend.weight_version)}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
@@ -245,6 +251,8 @@ def _control_routes(app: FastAPI, backend: EngineBackend) -> None:
 
 
 def _weight_routes(app: FastAPI, backend: EngineBackend) -> None:
+    session = _Session()
+
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
         body = await parse_body(request, UpdateWeightFromDiskReqInput)
@@ -257,16 +265,56 @@ def _weight_routes(app: FastAPI, backend: EngineBackend) -> None:
         body = await parse_body(request, InitWeightsUpdateGroupReqInput)
         return _success(await backend.join_group(body))
 
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: Request) -> JSONResponse:
+        await parse_body(request, BeginWeightUpdateReqInput, allow_empty=True)
+        session.begin()
+        try:
+            await backend.begin_update()
+        except BaseException:
+            session.open = False
+            raise
+        return _success("weight-update session open")
+
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request) -> JSONResponse:
         body = await parse_body(request, UpdateWeightsFromDistributedReqInput)
+        session.require("update_weights_from_distributed")
         version = parse_version(body.weight_version)
         return _success(await backend.update_from_group(body, version))
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(request: Request) -> JSONResponse:
+        await parse_body(request, EndWeightUpdateReqInput, allow_empty=True)
+        session.end()  # closed first: a failed finish must not wedge the server in a session nobody can close
+        await backend.end_update()
+        return _success("weight-update session closed")
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request) -> JSONResponse:
         body = await parse_body(request, DestroyWeightsUpdateGroupReqInput, allow_empty=True)
         return _success(await backend.leave_group(body.group_name))
+
+
+class _Session:
+    """SGLang's weight-update session: at most one open; broadcast updates only inside one."""
+
+    def __init__(self) -> None:
+        self.open = False
+
+    def begin(self) -> None:
+        if self.open:
+            raise RequestError("a weight-update session is already open; call /end_weight_update first")
+        self.open = True
+
+    def require(self, what: str) -> None:
+        if not self.open:
+            raise RequestError(f"{what} must run between /begin_weight_update and /end_weight_update")
+
+    def end(self) -> None:
+        if not self.open:
+            raise RequestError("no weight-update session is open; call /begin_weight_update first")
+        self.open = False
 
 
 def _success(message: str, **extra: Any) -> JSONResponse:

@@ -44,7 +44,7 @@ class Check:
 
 
 def model_info_body(model_path: str, tokenizer_path: str, weight_version: int, limits: Limits) -> dict[str, Any]:
-    """What every backend's `/get_model_info` holds (SGLang's fields; a backend may add its own)."""
+    """What every backend's `/model_info` holds (SGLang's fields; a backend may add its own)."""
     return {
         "model_path": model_path,
         "tokenizer_path": tokenizer_path,
@@ -113,8 +113,19 @@ class EngineBackend(Protocol):
         """Join the trainer's weight-broadcast group (blocks until every rank has joined)."""
         ...
 
+    async def begin_update(self) -> None:
+        """`/begin_weight_update`: prepare for `update_from_group` calls (the app opened the session)."""
+        ...
+
     async def update_from_group(self, body: UpdateWeightsFromDistributedReqInput, version: int | None) -> str:
-        """Receive named tensors broadcast by the group's rank 0 and load them."""
+        """Receive named tensors broadcast by the group's rank 0 and load them (only inside a session).
+
+        `version` None keeps the served version: a version's buckets carry it with the last one only.
+        """
+        ...
+
+    async def end_update(self) -> None:
+        """`/end_weight_update`: finish what the session's buckets loaded (the app then closes the session)."""
         ...
 
     async def leave_group(self, group_name: str) -> str:
@@ -122,9 +133,9 @@ class EngineBackend(Protocol):
         ...
 
     def model_info(self) -> dict[str, Any]:
-        """The body of `/get_model_info`."""
+        """The body of `/model_info`."""
         ...
 
     def server_info(self) -> dict[str, Any]:
-        """The body of `/get_server_info`."""
+        """The body of `/server_info`."""
         ...

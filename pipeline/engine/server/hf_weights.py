@@ -66,6 +66,13 @@ class WeightUpdates:
         self.weight_groups[body.group_name] = group
         return f"joined {body.group_name} as rank {body.rank_offset}"
 
+    async def begin_update(self) -> None:
+        """Nothing to prepare: each bucket is copied into the parameters at a step boundary (generation
+        should be paused around a session, as for SGLang, so that no token sees half-updated weights)."""
+
+    async def end_update(self) -> None:
+        """Nothing to finish: every bucket was applied as it arrived."""
+
     async def update_from_group(self, body: UpdateWeightsFromDistributedReqInput, version: int | None) -> str:
         group = self.weight_groups.get(body.group_name)
         if group is None:

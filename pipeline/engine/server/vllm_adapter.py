@@ -5,9 +5,11 @@ completion into a token-in/token-out `/v1/completions` call (see `vllm_wire.py`)
 commands into vLLM calls:
 
 * weight updates and the broadcast group: `/collective_rpc` into `vllm_worker_ext.ArlWorkerExtension`
-  (vLLM runs with VLLM_SERVER_DEV_MODE=1). Like SGLang, an update waits for the requests in flight
+  (vLLM runs with VLLM_SERVER_DEV_MODE=1). Like SGLang, a disk update waits for the requests in flight
   to finish (new ones wait), or aborts them with `abort_all_requests`; then the prefix cache is
-  reset and `weight_version` bumped;
+  reset and `weight_version` bumped. A broadcast session (`/begin_weight_update` ... `/end_weight_update`)
+  waits for them at its begin and holds new requests until its end: the workers' layers are being
+  replaced in between (vLLM's layerwise reload), and the prefix cache is reset at the end;
 * pause holds *new* requests until resume (mode `abort` also aborts those in flight); vLLM offers
   no way to freeze a running request from outside, so requests already in flight run to completion;
 * abort cancels the upstream HTTP call, which makes vLLM abort the request.
@@ -68,6 +70,8 @@ class VLLMAdapter:
         self.open = asyncio.Event()
         self.open.set()
         self.paused = False
+        self.updating = False
+        """A broadcast session is open: requests are held whatever `/continue_generation` says."""
         self.inflight: dict[str, asyncio.Future[Any]] = {}
         self.aborted: set[str] = set()
         self.update_lock = asyncio.Lock()
@@ -163,7 +167,8 @@ class VLLMAdapter:
 
     async def resume(self) -> None:
         self.paused = False
-        self.open.set()
+        if not self.updating:
+            self.open.set()
 
     async def flush_cache(self) -> Check:
         resp = await self.http.post("/reset_prefix_cache")
@@ -173,6 +178,8 @@ class VLLMAdapter:
     async def update_from_disk(self, model_path: str, version: int | None, abort_all: bool) -> str:
         if not (Path(model_path) / "config.json").exists():
             raise RequestError(f"model_path {model_path!r} is not a Hugging Face model directory")
+        if self.updating:
+            raise RequestError("a broadcast weight update is open on the vLLM workers: /end_weight_update first")
         await self._swap(abort_all, version, "arl_reload_from_disk", model_path)
         self.model_path = model_path
         return f"reloaded {model_path}"
@@ -181,11 +188,38 @@ class VLLMAdapter:
         await self._rpc("arl_init_group", body.model_dump_json())
         return f"joined {body.group_name}"
 
+    async def begin_update(self) -> None:
+        """Hold new requests and wait out those in flight (vLLM cannot pause them), then open the workers'
+        layerwise reload; requests stay held until `end_update`."""
+        self.updating = True
+        self.open.clear()
+        try:
+            await self._drain(abort_all=False)
+            if self.inflight:
+                raise RequestError(f"{len(self.inflight)} requests still run after the drain deadline; retry")
+            await self._rpc("arl_begin_update")
+        except BaseException:
+            self._stop_updating()
+            raise
+
     async def update_from_group(self, body: UpdateWeightsFromDistributedReqInput, version: int | None) -> str:
         self._vet_names(body)
         names = {"names": body.names, "dtypes": body.dtypes, "shapes": body.shapes, "group_name": body.group_name}
-        await self._swap(body.abort_all_requests, version, "arl_receive", json.dumps(names))
+        await self._rpc("arl_receive", json.dumps(names))  # no request runs: begin_update drained them
+        self.weight_version = self.weight_version if version is None else version
         return f"received {len(body.names)} tensors"
+
+    async def end_update(self) -> None:
+        try:
+            await self._rpc("arl_end_update")
+            await self.http.post("/reset_prefix_cache")
+        finally:
+            self._stop_updating()
+
+    def _stop_updating(self) -> None:
+        self.updating = False
+        if not self.paused:
+            self.open.set()
 
     async def leave_group(self, group_name: str) -> str:
         await self._rpc("arl_destroy_group", group_name)

@@ -8,6 +8,14 @@ Loaded *inside vLLM's workers* (vLLM's own venv), so it imports only the standar
 Why the extra step after each load: with tied embeddings the CPU build keeps a pre-packed copy of
 the output layer; without re-running its `process_weights_after_loading`, generation would keep
 using the old `lm_head` (measured; docs/inference.md, "vLLM").
+
+Broadcast updates come as a session (SGLang's begin / buckets / end), loaded the way vLLM's own NCCL
+weight-transfer engine loads them: `arl_begin_update` starts vLLM's layerwise reload, each
+`arl_receive` feeds its bucket to `load_weights` (a layer is processed and swapped in once all its
+weights arrived), `arl_end_update` finishes it. One `reload_weights` per bucket would not do: it
+finishes every layer at the end of each call, and a layer whose weights span two buckets (q in one,
+k and v in the next) came out wrong (measured). No request may run during a session: the layers
+being replaced are on the meta device until they are complete.
 """
 
 from __future__ import annotations
@@ -20,9 +28,12 @@ class ArlWorkerExtension:
     model_runner: Any
     rank: int
     device: Any
+    vllm_config: Any
 
     def arl_reload_from_disk(self, model_path: str) -> str:
         """Load every weight from a Hugging Face directory (vLLM's in-place reload)."""
+        if self.__dict__.get("_arl_updating"):
+            raise RuntimeError(f"rank {self.rank}: a broadcast weight update is open; end it first")
         self.model_runner.reload_weights(weights_path=model_path)
         self._arl_after_load()
         return f"rank {self.rank}: reloaded {model_path}"
@@ -56,17 +67,48 @@ class ArlWorkerExtension:
         self.__dict__.get("_arl_group_backends", {}).pop(group_name, None)
         return f"rank {self.rank} left {group_name}"
 
+    def arl_begin_update(self) -> str:
+        """Open a weight-update session: start vLLM's layerwise reload, which the buckets feed."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        if self.__dict__.get("_arl_updating"):
+            raise RuntimeError(f"rank {self.rank}: a weight update is already open")
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.get_model())
+        self.__dict__["_arl_updating"] = True
+        return f"rank {self.rank}: update open"
+
     def arl_receive(self, spec: str) -> str:
-        """Receive named tensors from rank 0 of the group and load them in place."""
+        """Receive named tensors from rank 0 of the group and load them (inside a session)."""
+        from vllm.config import set_current_vllm_config
+
         from pipeline.engine.weight_group import receive_from_trainer
 
+        if not self.__dict__.get("_arl_updating"):
+            raise RuntimeError(f"rank {self.rank}: no weight update open (arl_begin_update first)")
         args = json.loads(spec)
         backend = self.__dict__.get("_arl_group_backends", {}).get(args["group_name"])
         device = "cpu" if backend == "gloo" else self.device
         tensors = receive_from_trainer(self._arl_group(args["group_name"]), args["dtypes"], args["shapes"], device)
-        self.model_runner.reload_weights(weights_iterator=list(zip(args["names"], tensors, strict=True)))
-        self._arl_after_load()
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.get_model().load_weights(list(zip(args["names"], tensors, strict=True)))
         return f"rank {self.rank}: received {len(tensors)} tensors"
+
+    def arl_end_update(self) -> str:
+        """Close the session: finish every layer (those no bucket touched keep their weights)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        if not self.__dict__.pop("_arl_updating", False):
+            raise RuntimeError(f"rank {self.rank}: no weight update open")
+        runner = self.model_runner
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(runner.get_model(), runner.model_config)
+        self._arl_after_load()
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as reload_weights does
+            getattr(runner, reset, lambda: None)()
+        return f"rank {self.rank}: update closed"
 
     def _arl_group(self, name: str) -> Any:
         group = self.__dict__.get("_arl_groups", {}).get(name)
