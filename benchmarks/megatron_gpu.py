@@ -1,9 +1,12 @@
 """Megatron backend on one GPU: bf16 equivalence with the torch backend, then throughput and MFU.
 
-NOT YET RUN: written for the lent H100/H200 (`run` device tool); this repository's task had no GPU.
-Run on the device (megatron-core is not on the GPU image; carry its wheel):
+Run on 2026-11-25 on one NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130, megatron-core 0.16.1); figures in
+docs/megatron.md ("GPU checks") and benchmarks/RESULTS.md. Equivalence passed; the MFU target was missed
+(megatron 6.6% at ~0.5B, 16.9% at ~1.5B). GPU only: `arl bench` skips it. megatron-core and pydantic are
+not on the GPU image; carry their wheels:
     pip download megatron-core==0.16.1 --no-deps --only-binary=:all: --python-version 3.12 -d wheels/
-    # on the device:  pip install --no-deps wheels/megatron_core-*.whl && python benchmarks/megatron_gpu.py
+    # plus pydantic, pydantic-core, annotated-types, typing-inspection; on the device:
+    pip install --no-deps --target /tmp/site wheels/*.whl && PYTHONPATH=/tmp/site:. python benchmarks/megatron_gpu.py
 
 1. Equivalence (bf16). A small random Qwen2 (hidden 512, 4 layers, GQA 8/2, vocab 32k) and one packed
    row set. References: the torch backend in fp32 (no autocast) = ground truth; the torch backend in

@@ -55,9 +55,11 @@ def pack_inputs(micro: MicroBatch, device: torch.device, multiple: int = 1) -> P
         lengths.append(pad)
         ids = torch.cat([ids, ids.new_zeros(1, pad)], dim=1)
         pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype)[None]], dim=1)
+    # cu_seqlens stays on the CPU, also on a GPU: the thd consumers of the local spec (megatron's rope,
+    # which calls .tolist()/.item() on it in every layer, and SDPAAttention's per-sample slices) read it on
+    # the host, and a CUDA copy made each of those reads a device sync (several per layer per micro-batch).
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
-    cu = cu.to(device)
     longest = max(lengths)
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                              max_seqlen_kv=longest)  # fmt: skip
