@@ -6,8 +6,8 @@ request object SGLang's code produced; its docstring says what is SGLang's and w
 Here arl's real `EngineClient` (and publisher) talk to it over HTTP, arl's `sglang_command` goes through
 SGLang's own argument parser, and arl's engine routes are checked against SGLang's route table.
 
-The `xfail(strict=True)` tests state the contract arl does not meet yet; each reason names the mismatch.
-When the client is fixed they pass, and strict xfail turns that into a failure: remove the mark then.
+A contract SGLang's code states but arl breaks fails here: that is how the missing weight-update session,
+the `/get_weight_version` read and the bucket order of the broadcast publisher were found and fixed.
 
 Skipped with a reason when `.sglang-venv` is absent (build it with scripts/sglang_venv.sh; CI does).
 """
@@ -188,8 +188,6 @@ def test_sglang_serves_the_endpoints_the_contract_relies_on(routes: dict[str, An
     assert not any(r["path"] == "/get_weight_version" for r in routes["routes"])
 
 
-@pytest.mark.xfail(strict=True, reason="the client reads /get_weight_version, which SGLang 0.5.23 does not serve "
-                                       "(404); the version is `weight_version` in GET /model_info")  # fmt: skip
 def test_every_path_the_client_calls_is_an_sglang_route(routes: dict[str, Any]) -> None:
     served = {r["path"] for r in routes["routes"]}
     missing = sorted(engine_paths_arl_calls() - served)
@@ -411,16 +409,14 @@ async def test_update_weights_from_disk(judge: Judge, tiny_model_dir: Path) -> N
     assert info["weight_version"] == str(version)
 
 
-@pytest.mark.xfail(strict=True, reason="the client reads GET /get_weight_version, which SGLang 0.5.23 does "
-                                       "not serve (404); the version is `weight_version` in /model_info")  # fmt: skip
 async def test_client_reads_the_served_weight_version(judge: Judge) -> None:
     async with client(judge) as engine:
         assert await engine.weight_version() == int(judge.model_info()["weight_version"])
 
 
 async def test_broadcast_with_sglangs_session_protocol(judge: Judge) -> None:
-    """What SGLang accepts: join, begin, buckets, end. Driven by arl's client and group code, with the begin/end
-    calls arl does not make yet sent by hand; a real gloo broadcast into SGLang's own `WeightUpdater`."""
+    """What SGLang accepts: join, begin, buckets, end, driven by arl's client and group code; a real gloo
+    broadcast into SGLang's own `WeightUpdater`."""
     tensors = {"model.a.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3),
                "model.b.bias": torch.full((4,), 0.5, dtype=torch.bfloat16)}  # fmt: skip
     names, values = list(tensors), list(tensors.values())
@@ -429,7 +425,7 @@ async def test_broadcast_with_sglangs_session_protocol(judge: Judge) -> None:
     async with client(judge) as engine, httpx.AsyncClient(base_url=judge.url, timeout=60) as http:
         group = await join_group(engine, "contract")
         try:
-            assert (await http.post("/begin_weight_update", json={})).json()["success"]
+            await engine.begin_weight_update()
             await asyncio.gather(
                 engine.update_weights_from_distributed(names, ["float32", "bfloat16"], [[2, 3], [4]], "contract",
                                                        version),
@@ -437,7 +433,7 @@ async def test_broadcast_with_sglangs_session_protocol(judge: Judge) -> None:
             # SGLang moves the served version with the bucket, before the session ends: a version sent with an
             # early bucket tags tokens of half-updated weights
             assert (await http.get("/model_info")).json()["weight_version"] == str(version)
-            assert (await http.post("/end_weight_update", json={})).json()["success"]
+            await engine.end_weight_update()
             destroyed = await http.post("/destroy_weights_update_group", json={"group_name": "contract"})
             assert destroyed.json()["success"], destroyed.text
         finally:
@@ -502,8 +498,8 @@ async def test_flush_after_an_update_needs_a_retract_pause(judge: Judge, mode: s
 
 
 async def test_sglang_refuses_an_update_outside_a_session(judge: Judge) -> None:
-    """SGLang answers 400 before receiving anything when no begin_weight_update opened a session: what arl's
-    publisher meets today (it never calls begin/end), while its trainer would block in the broadcast."""
+    """SGLang answers 400 before receiving anything when no begin_weight_update opened a session (what arl's
+    publisher met before it opened sessions, while its trainer blocked in the broadcast)."""
     version = int(judge.model_info()["weight_version"])
     async with client(judge) as engine:
         with pytest.raises(EngineError) as refused:
@@ -512,10 +508,6 @@ async def test_sglang_refuses_an_update_outside_a_session(judge: Judge) -> None:
     assert judge.model_info()["weight_version"] == str(version)
 
 
-@pytest.mark.xfail(strict=True, reason="arl's broadcast publisher never calls /begin_weight_update and "
-                                       "/end_weight_update (SGLang refuses the update with 400 while the trainer "
-                                       "blocks in the broadcast), sends weight_version and flush_cache with every "
-                                       "bucket and does not pause (retract) around the buckets")  # fmt: skip
 def test_publisher_follows_sglangs_protocol(tiny_model_dir: Path, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """arl's real publisher, end to end: retract-pause, begin, buckets (version and flush with the last only), end,
