@@ -8,6 +8,7 @@ op) has no model-independent absolute bound.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,16 +26,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
     "bf16-weights reference for the bound (docs/megatron.md, GPU checks)",
 )
 def test_bf16_step_is_as_close_to_fp32_as_the_torch_backend(tiny_model_dir: Path, tmp_path: Path) -> None:
-    import importlib.util
-
-    from pipeline.trainer.synthetic import add_behaviour_logprobs, synthetic_rows
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "megatron_gpu.py"
-    spec = importlib.util.spec_from_file_location("megatron_gpu_bench", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    rows = add_behaviour_logprobs(synthetic_rows(0, completion_lens=[5, 9, 13]), tiny_model_dir)
+    bench = _bench()
+    rows = _rows(tiny_model_dir)
     runs = {}
     for name, backend, bf16 in [("fp32", "torch", False), ("hf", "torch", True), ("megatron", "megatron", True)]:
         config = bench.make_config(tiny_model_dir, tmp_path, backend, bf16, 256)
@@ -48,19 +41,29 @@ def test_fp32_step_on_cuda_equals_the_torch_backend(tiny_model_dir: Path, tmp_pa
     """Without bf16 (trainer.bf16=false) the megatron path on CUDA (its DDP, optimizer, packed rope, SDPA
     attention, conversion) computes the torch backend's numbers: every error within 1e-5 (measured on an
     H100: <= 1e-6)."""
-    import importlib.util
-
-    from pipeline.trainer.synthetic import add_behaviour_logprobs, synthetic_rows
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "megatron_gpu.py"
-    spec = importlib.util.spec_from_file_location("megatron_gpu_bench", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    rows = add_behaviour_logprobs(synthetic_rows(0, completion_lens=[5, 9, 13]), tiny_model_dir)
+    bench = _bench()
+    rows = _rows(tiny_model_dir)
     runs = {}
     for name, backend in [("torch", "torch"), ("megatron", "megatron")]:
         config = bench.make_config(tiny_model_dir, tmp_path, backend, False, 256)
         runs[name] = bench.one_step(config, tiny_model_dir, bench.make_plan(rows, config, 256))
     for key, value in bench.errors(runs["megatron"], runs["torch"]).items():
         assert value <= 1e-5, (key, value)
+
+
+def _bench() -> Any:
+    """benchmarks/megatron_gpu.py as a module: the tests reuse its configs, one-step runner and error measures."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "megatron_gpu.py"
+    spec = importlib.util.spec_from_file_location("megatron_gpu_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def _rows(model_dir: Path) -> list[Any]:
+    from pipeline.trainer.synthetic import add_behaviour_logprobs, synthetic_rows
+
+    return add_behaviour_logprobs(synthetic_rows(0, completion_lens=[5, 9, 13]), model_dir)
