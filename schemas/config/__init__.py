@@ -12,7 +12,7 @@ from pydantic_core import PydanticCustomError
 
 from schemas.config.base import UNSUPPORTED, Block
 from schemas.config.cluster import ClusterConfig, StageResources
-from schemas.config.inference import InferenceConfig, sglang_replica_flags
+from schemas.config.inference import InferenceConfig, replica_flags
 from schemas.config.model import ModelConfig
 from schemas.config.proxy import ProxyConfig
 from schemas.config.rollout import DatasetConfig, RolloutConfig
@@ -58,14 +58,15 @@ class ArlConfig(Block):
 
     @model_validator(mode="after")
     def _broadcast_reaches_every_rank(self) -> ArlConfig:
-        """The weight-broadcast group counts each server's tensor-parallel ranks only, and SGLang refuses
-        `update_weights_from_distributed` with data-parallel replicas: dp/pp cannot take a broadcast."""
-        if self.inference.backend == "sglang" and self.trainer.weight_sync == "nccl":
-            for flag, value in sglang_replica_flags(self.inference.extra_args):
+        """The weight-broadcast group counts each server's tensor-parallel ranks only (SGLang refuses
+        `update_weights_from_distributed` with data-parallel replicas; vLLM's pipeline/data-parallel workers
+        would join at ranks past the group's size): dp/pp cannot take a broadcast."""
+        if self.trainer.weight_sync == "nccl":
+            for flag, value in replica_flags(self.inference.backend, self.inference.extra_args):
                 raise PydanticCustomError(
                     UNSUPPORTED,
                     "inference.extra_args sets {flag} {value}, but trainer.weight_sync=nccl broadcasts to each "
-                    "server's tensor-parallel ranks only (SGLang accepts it with dp_size 1 and pp_size 1 only): use "
+                    "server's tensor-parallel ranks only (data and pipeline parallel size 1): use "
                     "trainer.weight_sync=disk, or more servers (inference.num_servers) instead of {flag}",
                     {"flag": flag, "value": value},
                 )

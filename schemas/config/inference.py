@@ -36,20 +36,26 @@ class InferenceConfig(Block):
     """Per-request deadline in the engine client."""
 
 
-# SGLang's flags (and the abbreviations its argparse accepts) that add ranks the weight-broadcast group does
-# not count: it holds the trainer and every server's tensor-parallel ranks, nothing else.
-_REPLICA_FLAGS = {"--dp-size": "--dp", "--data-parallel-size": "--data-p", "--pp-size": "--pp-s",
-                  "--pipeline-parallel-size": "--pipeline-p"}  # fmt: skip
+# Flags that add ranks the weight-broadcast group does not count (it holds the trainer and every server's
+# tensor-parallel ranks, nothing else), per backend: full name -> the shortest form its parser accepts.
+# SGLang's argparse takes any unambiguous prefix; vLLM takes its full names and the short aliases.
+_REPLICA_FLAGS: dict[str, dict[str, str]] = {
+    "sglang": {"--dp-size": "--dp", "--data-parallel-size": "--data-p", "--pp-size": "--pp-s",
+               "--pipeline-parallel-size": "--pipeline-p"},
+    "vllm": {"--data-parallel-size": "--data-parallel-size", "-dp": "-dp",
+             "--pipeline-parallel-size": "--pipeline-parallel-size", "-pp": "-pp"},
+}  # fmt: skip
 
 
-def sglang_replica_flags(extra_args: list[str]) -> list[tuple[str, str]]:
-    """(flag as written, value) for each data- or pipeline-parallel size above 1 in SGLang's `extra_args`."""
+def replica_flags(backend: str, extra_args: list[str]) -> list[tuple[str, str]]:
+    """(flag as written, value) for each data- or pipeline-parallel size above 1 in the server's `extra_args`."""
+    names = _REPLICA_FLAGS.get(backend, {})
     found = []
     for i, arg in enumerate(extra_args):
         flag, eq, value = arg.partition("=")
         if not eq:
             value = extra_args[i + 1] if i + 1 < len(extra_args) else ""
-        is_replica = any(name.startswith(flag) and flag.startswith(short) for name, short in _REPLICA_FLAGS.items())
-        if is_replica and value.isdigit() and int(value) > 1:  # anything else is for SGLang's parser to refuse
+        is_replica = any(name.startswith(flag) and flag.startswith(short) for name, short in names.items())
+        if is_replica and value.isdigit() and int(value) > 1:  # anything else is for the engine's parser to refuse
             found.append((flag, value))
     return found

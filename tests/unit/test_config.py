@@ -129,8 +129,23 @@ BROADCAST_TO_SGLANG = ["inference.backend=sglang", "trainer.weight_sync=nccl"]
 def test_broadcast_to_sglang_refuses_data_or_pipeline_parallel_servers(tmp_path: Path, extra_args: list[str],
                                                                       flag: str) -> None:  # fmt: skip
     """The broadcast group counts tensor-parallel ranks only: one line naming the flag and the alternative."""
+    _assert_refused(tmp_path, "sglang", extra_args, flag)
+
+
+@pytest.mark.parametrize(
+    ("extra_args", "flag"),
+    [(["--data-parallel-size", "2"], "--data-parallel-size"), (["-dp", "2"], "-dp"),
+     (["--pipeline-parallel-size=2"], "--pipeline-parallel-size"), (["-tp", "2", "-pp", "4"], "-pp")],
+)  # fmt: skip
+def test_broadcast_to_vllm_refuses_data_or_pipeline_parallel_servers(tmp_path: Path, extra_args: list[str],
+                                                                    flag: str) -> None:  # fmt: skip
+    """vLLM's own dp/pp flags (full names and short aliases) break the same group arithmetic."""
+    _assert_refused(tmp_path, "vllm", extra_args, flag)
+
+
+def _assert_refused(tmp_path: Path, backend: str, extra_args: list[str], flag: str) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({"inference": {"backend": "sglang", "extra_args": extra_args},
+    path.write_text(yaml.safe_dump({"inference": {"backend": backend, "extra_args": extra_args},
                                     "trainer": {"weight_sync": "nccl"}}))  # fmt: skip
     with pytest.raises(ConfigError) as refused:
         load_config(path)
@@ -144,6 +159,8 @@ def test_broadcast_to_sglang_refuses_data_or_pipeline_parallel_servers(tmp_path:
         [*BROADCAST_TO_SGLANG, "inference.extra_args=[--dp-size, '1', --tp-size, '4', --enable-metrics]"],
         ["inference.backend=sglang", "trainer.weight_sync=disk", "inference.extra_args=[--dp-size, '2']"],
         ["inference.backend=hf", "trainer.weight_sync=nccl", "inference.extra_args=[--dp-size, '2']"],
+        ["inference.backend=vllm", "trainer.weight_sync=nccl", "inference.extra_args=[-tp, '2', -dp, '1']"],
+        ["inference.backend=vllm", "trainer.weight_sync=disk", "inference.extra_args=[-dp, '2']"],
     ],
 )  # fmt: skip
 def test_broadcast_to_sglang_accepts_tensor_parallel_and_disk_takes_any(overrides: list[str]) -> None:
