@@ -30,6 +30,7 @@ import logging
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -46,6 +47,9 @@ from pipeline.trainer.checkpoint import buckets
 log = logging.getLogger("arl.trainer.publish")
 T = TypeVar("T")
 GROUP_NAME = "arl-weights"
+"""Prefix of the broadcast group's name; each group gets a fresh suffix, because torch keeps a process's
+group names until the group is destroyed: a server still holding the group of an earlier trainer (one that
+crashed, or an `arl stage train --step N` redo) could not join a new group of the same name."""
 BUCKET_BYTES = 256 * 1024**2
 
 
@@ -164,6 +168,7 @@ class BroadcastPublisher:
         self.paths = paths
         self.tied = tied_embeddings
         self.group: Any = None
+        self.group_name = ""
         self.members: list[str] = []
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
@@ -203,18 +208,18 @@ class BroadcastPublisher:
         address = "127.0.0.1" if all(_is_loopback(u) for u in urls) else socket.gethostbyname(socket.getfqdn())
         port = free_port("0.0.0.0")  # the store listens on every interface: the port must be free on all
         world = self.owner.call(self.owner.client.weights_group_world_size(), "/server_info")
+        name = f"{GROUP_NAME}-{uuid.uuid4().hex[:8]}"
         write_json_atomic(self.paths.weight_sync, {"master_address": address, "master_port": port,
-                                                   "group_name": GROUP_NAME, "backend": self.backend,
+                                                   "group_name": name, "backend": self.backend,
                                                    "world_size": world, "created_at": time.time()})  # fmt: skip
-        joined = self.owner.runner.submit(self.owner.client.init_weights_update_group(address, port, GROUP_NAME,
+        joined = self.owner.runner.submit(self.owner.client.init_weights_update_group(address, port, name,
                                                                                       self.backend))  # fmt: skip
-        self.group = init_weight_group(address, port, rank=0, world_size=world, group_name=GROUP_NAME,
+        self.group = init_weight_group(address, port, rank=0, world_size=world, group_name=name,
                                        backend=self.backend, timeout_s=self.owner.timeout_s)  # fmt: skip
+        self.group_name = name
         self.owner.wait(joined, "/init_weights_update_group")
         self.members = list(urls)
-        log.info(
-            "weight broadcast group %s ready: %s world %d at %s:%d", GROUP_NAME, self.backend, world, address, port
-        )
+        log.info("weight broadcast group %s ready: %s world %d at %s:%d", name, self.backend, world, address, port)
 
     def _send(self, bucket: dict[str, torch.Tensor], announce: int | None, version: int, which: str) -> None:
         """One bucket: the servers' receive (HTTP) and rank 0's broadcast, overlapping. Only the last bucket
@@ -223,7 +228,7 @@ class BroadcastPublisher:
         dtypes = [dtype_name(t.dtype) for t in bucket.values()]
         shapes = [list(t.shape) for t in bucket.values()]
         update = self.owner.client.update_weights_from_distributed(
-            names, dtypes, shapes, GROUP_NAME, announce, flush_cache=announce is not None
+            names, dtypes, shapes, self.group_name, announce, flush_cache=announce is not None
         )
         confirmed = self.owner.runner.submit(update)
         what = f"/update_weights_from_distributed of version {version}, {which}"
@@ -237,7 +242,14 @@ class BroadcastPublisher:
         self.owner.wait(confirmed, what)
 
     def close(self) -> None:
+        """Leave the group on both sides: the servers outlive this trainer, and a group they kept would hold
+        its ranks and name there (best effort: a server that is gone has nothing to free)."""
         if self.group is not None:
+            try:
+                self.owner.call(self.owner.client.destroy_weights_update_group(self.group_name),
+                                f"/destroy_weights_update_group {self.group_name}")  # fmt: skip
+            except Exception as exc:  # closing must not mask the trainer's own outcome
+                log.warning("the servers did not leave weight group %s: %s", self.group_name, exc)
             destroy_weight_group(self.group)
             self.group = None
         self.owner.close()

@@ -97,7 +97,7 @@ def test_gloo_broadcast_publication_from_trainer_process(make_train_run, server:
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_served_equals_checkpoint(paths, server.url, tiny_model_dir)
     sync = read_json(paths.weight_sync)
-    assert sync["backend"] == "gloo" and sync["world_size"] == 2 and sync["group_name"] == "arl-weights"
+    assert sync["backend"] == "gloo" and sync["world_size"] == 2 and sync["group_name"].startswith("arl-weights-")
 
 
 def test_failing_server_is_named_and_version_not_announced(make_train_run, server: ServerHandle,
@@ -231,3 +231,29 @@ def test_a_failed_broadcast_step_is_named_and_leaves_no_server_paused(
     finally:
         publisher.close()
     assert httpx.get(server_process + "/model_info").json()["weight_version"] == "1"
+
+
+def test_a_restarted_trainer_joins_a_new_group_and_close_makes_the_servers_leave(
+    server_process: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer that died without closing leaves its group held by the server (torch keeps the group's name
+    there); the next trainer (a resume, an `arl stage train --step N` redo) still joins, because every group
+    gets a name of its own, and its close() makes the servers leave its group."""
+    from pipeline.engine.weight_group import destroy_weight_group
+
+    _, state = other_weights(tmp_path)
+    crashed = broadcast_publisher(tmp_path, server_process, tiny_model_dir, monkeypatch)
+    assert crashed.publish(1, None, state) == [server_process]
+    destroy_weight_group(crashed.group)  # what the trainer's death frees on its own side, and nothing more
+    crashed.owner.close()
+    restarted = broadcast_publisher(tmp_path, server_process, tiny_model_dir, monkeypatch)
+    try:
+        assert restarted.publish(2, None, state) == [server_process]
+        assert restarted.group_name != crashed.group_name
+    finally:
+        restarted.close()
+    left = httpx.post(server_process + "/destroy_weights_update_group", json={"group_name": restarted.group_name})
+    kept = httpx.post(server_process + "/destroy_weights_update_group", json={"group_name": crashed.group_name})
+    assert left.status_code == 400, left.text  # close() made the server leave it already
+    assert kept.status_code == 200, kept.text  # the dead trainer's group was still held
+    assert httpx.get(server_process + "/model_info").json()["weight_version"] == "2"

@@ -140,6 +140,10 @@ class AdminCalls(abc.ABC):
         """Every server closes its weight-update session (SGLang finalises the loaded weights here)."""
         await self._fan_out("POST", "/end_weight_update", {})
 
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        """Every server leaves the broadcast group `group_name` (frees the group and its name there)."""
+        await self._fan_out("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
     async def pause_generation(self, mode: Literal["in_place", "retract", "abort"] = "in_place") -> None:
         """Every server stops scheduling decode steps (requests in flight wait, they are not dropped).
 
