@@ -107,6 +107,12 @@ class Judge:
         entries = [json.loads(line) for line in self.record.read_text().splitlines()[since:]]
         return [e for e in entries if e["type"] not in ("FreezeGCReq",) and (kind is None or e["type"] == kind)]
 
+    def settle(self) -> None:
+        """Return once everything sent to the scheduler so far is recorded. Some calls (SGLang's
+        `/continue_generation`) answer before the scheduler has read them; `/server_info` waits for the
+        scheduler's reply, and the scheduler reads its one channel in order."""
+        httpx.get(self.url + "/server_info", timeout=30).raise_for_status()
+
     def generations(self, since: int) -> list[dict[str, Any]]:
         """Generate requests after `since`, without SGLang's own health-check and warm-up requests."""
         return [e for e in self.records(since, "TokenizedGenerateReqInput") if not e["rid"].startswith("HEALTH_CHECK")]
@@ -529,6 +535,7 @@ def test_publisher_follows_sglangs_protocol(tiny_model_dir: Path, tmp_path: Path
         mark = judge.mark()
         publisher = publish.make_publisher("nccl", paths, timeout_s=20, tied_embeddings=False)
         assert publisher.publish(4, None, state) == [judge.url]
+        judge.settle()  # the publisher's last call, /continue_generation, is answered before it is recorded
         kinds = [r["type"] for r in judge.records(mark) if r["type"] not in ("GetInternalStateReq", "Loaded")]
         buckets = judge.records(mark, "UpdateWeightsFromDistributedReqInput")
         assert len(buckets) > 1
