@@ -41,6 +41,11 @@ class ProxyAPIError(ArlError):
         self.status = status
         self.body = body
 
+    @property
+    def refused(self) -> bool:
+        """The proxy answered and said no (4xx): the call's input was wrong, not the proxy or the link."""
+        return self.status is not None and self.status < 500
+
 
 class NoCapacity(ProxyAPIError):
     """Starting a session answered 429: the capacity gate (or `proxy.max_sessions`) holds new sessions back."""

@@ -204,7 +204,7 @@ async def export_session(control: ProxyControl, session_id: str, style: str,
     try:
         return await control.export(session_id, style=style, discount=discount)
     except ProxyAPIError as exc:
-        if exc.status is None or exc.status >= 500:
+        if not exc.refused:
             raise
         log.warning("session %s could not be exported; its run yields no samples: %s", session_id, exc)
         return None
@@ -221,7 +221,7 @@ async def apply_rewards(control: ProxyControl, session_id: str, report: RunRepor
         for interaction_id, reward in outcome.rewards.items():
             await control.set_reward(session_id, reward, interaction_id)
     except ProxyAPIError as exc:
-        if exc.status is None or exc.status >= 500:
+        if not exc.refused:
             raise
         if outcome.reward is not None and not outcome.rewards:
             return report  # a float for a run without LLM calls: counted as an empty run after export
@@ -234,7 +234,7 @@ async def end_quietly(control: ProxyControl, session_id: str) -> None:
     try:
         await control.end_session(session_id)
     except ProxyAPIError as exc:
-        if exc.status is None or exc.status >= 500:
+        if not exc.refused:
             raise
         log.debug("end_session for %s answered %s", session_id, exc.status)
 
