@@ -120,6 +120,14 @@ class RunPaths:
         return self.state / "trainer" / step_name(version)
 
     @property
+    def quarantine(self) -> Path:
+        """`<server>.json` requests from the trainer: take that inference server out and recover it."""
+        return self.state / "quarantine"
+
+    def quarantine_entry(self, server: str) -> Path:
+        return self.quarantine / f"{server}.json"
+
+    @property
     def weight_version(self) -> Path:
         """The newest version every inference server has confirmed (written by the trainer)."""
         return self.state / "weight_version.json"

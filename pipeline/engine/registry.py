@@ -1,9 +1,10 @@
 """`registry/inference/<server>.json`: how the proxy and the trainer find the inference servers.
 
 `stages.inference` writes one entry per server atomically when it is healthy and removes it when
-the server stops or dies; readers (the engine client, `arl status`) list the directory. A reader
-never sees a torn entry (atomic replace) and skips an unreadable one with a warning rather than
-failing a whole rollout because of one stray file.
+the server stops or dies. An entry marked not `routable` is a restarted server still behind the
+announced weight version: the trainer updates it, nothing routes requests to it. Readers (the engine
+client, `arl status`) list the directory. A reader never sees a torn entry (atomic replace) and skips
+an unreadable one with a warning rather than failing a whole rollout because of one stray file.
 """
 
 from __future__ import annotations
@@ -53,10 +54,14 @@ def read_entries(paths: RunPaths) -> dict[str, InferenceEntry]:
     return entries
 
 
-def urls_from_registry(paths: RunPaths) -> Callable[[], list[str]]:
-    """A callable for `EngineClient(urls=...)`: the URLs registered right now (re-read on each call)."""
+def urls_from_registry(paths: RunPaths, *, routable_only: bool = True) -> Callable[[], list[str]]:
+    """A callable for `EngineClient(urls=...)`: the URLs registered right now (re-read on each call).
+
+    Requests go only to routable servers; the trainer's publisher (`routable_only=False`) also reaches
+    the ones waiting to be brought up to the announced version.
+    """
 
     def urls() -> list[str]:
-        return [entry.url for entry in read_entries(paths).values()]
+        return [entry.url for entry in read_entries(paths).values() if entry.routable or not routable_only]
 
     return urls

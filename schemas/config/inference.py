@@ -34,6 +34,13 @@ class InferenceConfig(Block):
     """Deadline for a server to become healthy."""
     request_timeout_s: float = Field(600.0, gt=0)
     """Per-request deadline in the engine client."""
+    min_servers: int | None = Field(None, ge=1)
+    """A new weight version is announced (and generation resumed) once this many servers verified it;
+    `None` = every server that took part in the swap, so a server taken out must come back (restarted by
+    the inference stage) and verify the version first. Lower it to trade atomicity for availability."""
+    max_restarts: int = Field(3, ge=0)
+    """Restarts per server by the inference stage (after a crash, or when the trainer took it out because a
+    weight swap failed its verification); past this a server stays down."""
 
 
 # Flags that add ranks the weight-broadcast group does not count (it holds the trainer and every server's

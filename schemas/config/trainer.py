@@ -86,7 +86,15 @@ class TrainerConfig(Block):
     wait_timeout_s: float = Field(3600.0, gt=0)
     """Deadline for a step's trajectories to appear."""
     publish_timeout_s: float = Field(600.0, gt=0)
-    """Deadline for every inference server to confirm a new weight version."""
+    """Deadline of each call to an inference server during a publication (pause, a disk reload, a bucket's
+    answer, the verification), and of the wait for servers taken out to come back when fewer than
+    `inference.min_servers` verified a version."""
+    broadcast_timeout_s: float = Field(300.0, gt=0)
+    """Deadline of the weight-broadcast group's setup and of each bucket's broadcast (`nccl` sync): a server
+    that dies or stalls mid-broadcast ends the wait with an error naming it instead of a hang."""
+    verify: bool = True
+    """Check every server after every weight swap (a probe's input log-probabilities and a sample of
+    weights against the trainer's own) before the version is announced; see docs/reliability.md."""
     deterministic: bool = False
     """Deterministic algorithms and fixed seeds (bitwise-reproducible resume on CPU)."""
     seed: int = 0

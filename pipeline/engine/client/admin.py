@@ -24,6 +24,8 @@ class AdminCalls(abc.ABC):
 
     _url_source: list[str] | Callable[[], list[str]]
     _servers: dict[str, Any]
+    admin_timeout_s: float = _ADMIN_TIMEOUT_S
+    """Deadline of each admin call (the trainer's publisher sets `trainer.publish_timeout_s`)."""
 
     @abc.abstractmethod
     def _refresh_urls(self) -> None: ...
@@ -158,6 +160,48 @@ class AdminCalls(abc.ABC):
     async def flush_cache(self) -> None:
         await self._fan_out("POST", "/flush_cache", None)
 
+    # -- per-server calls (the publisher decides server by server) -------------------------------
+    async def call_each(
+        self, urls: list[str], method: str, path: str, body: Any = None
+    ) -> dict[str, dict[str, Any] | EngineError]:
+        """Call `path` on each of `urls` at once; each server's answer or its `EngineError` (never raises).
+
+        `body` may map each URL to its own body."""
+        per_url = body if isinstance(body, dict) and urls and set(body) == set(urls) else None
+
+        async def one(url: str) -> dict[str, Any] | EngineError:
+            try:
+                return await self._admin(url, method, path, per_url[url] if per_url else body)
+            except EngineError as exc:
+                return exc
+
+        return dict(zip(urls, await asyncio.gather(*(one(u) for u in urls)), strict=True))
+
+    async def score_prompt(self, url: str, input_ids: list[int]) -> list[Any]:
+        """SGLang's `meta_info.input_token_logprobs` of `input_ids` on one server: [logprob, id, text] per
+        position, the first logprob null (nothing precedes it). One greedy token is generated (every
+        engine needs at least one); only the prompt's log-probabilities are used."""
+        body = {"input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}  # fmt: skip
+        answer = await self._admin(url, "POST", "/generate", body)
+        scored = (answer.get("meta_info") or {}).get("input_token_logprobs")
+        if not isinstance(scored, list):
+            raise EngineError(f"{url}/generate: no meta_info.input_token_logprobs in {str(answer)[:200]}", server=url)
+        return scored
+
+    async def weights_by_name(self, url: str, name: str, truncate_size: int) -> list[Any]:
+        """SGLang's `/get_weights_by_name`: the first `truncate_size` rows of parameter `name` as float32 lists."""
+        answer = await self._admin(url, "POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+        rows = answer.get("result") if isinstance(answer, dict) and set(answer) == {"result"} else answer
+        if not isinstance(rows, list):
+            raise EngineError(f"{url}/get_weights_by_name {name}: expected a list, got {str(answer)[:200]}", server=url)
+        return rows
+
+    async def served_version(self, url: str) -> int:
+        """The weight version one server reports in `/model_info`."""
+        answer = await self._admin(url, "GET", "/model_info")
+        return parse_weight_version(answer.get("weight_version"))
+
     def _admin_urls(self) -> list[str]:
         if callable(self._url_source):
             self._refresh_urls()
@@ -188,14 +232,14 @@ class AdminCalls(abc.ABC):
 
     async def _admin(self, url: str, method: str, path: str, body: Any = None) -> dict[str, Any]:
         try:
-            async with asyncio.timeout(_ADMIN_TIMEOUT_S):
+            async with asyncio.timeout(self.admin_timeout_s):
                 async with self._http().request(method, f"{url}{path}", json=body) as resp:
                     await raise_for_status(resp, url)
                     text = await resp.text()
         except _CONNECTION_ERRORS as exc:
             raise EngineError(f"{url}{path}: {type(exc).__name__}: {exc}", server=url) from exc
         except TimeoutError:
-            raise EngineError(f"{url}{path} timed out after {_ADMIN_TIMEOUT_S}s", server=url) from None
+            raise EngineError(f"{url}{path} timed out after {self.admin_timeout_s:.0f}s", server=url) from None
         data = json_or_text(text)
         if isinstance(data, dict) and data.get("success") is False:
             raise EngineError(f"{url}{path}: {data.get('message', data)}", status=resp.status, server=url)
