@@ -28,8 +28,8 @@ from pipeline.trainer.data import StepData, load_step
 from pipeline.trainer.losses import LossOutput, TokenBatch, policy_loss
 from pipeline.trainer.metrics import Timings, open_sinks, peak_flops, step_metrics
 from pipeline.trainer.packing import MicroBatch, plan_step
-from pipeline.trainer.publish import make_publisher
-from pipeline.weight_version import read_weight_version, write_weight_version
+from pipeline.trainer.publish import PublishOptions, make_publisher
+from pipeline.weight_version import write_weight_version
 from schemas.config import ArlConfig
 
 log = logging.getLogger("arl.trainer")
@@ -58,7 +58,9 @@ class Trainer:
         self.publisher = None
         if self.rank0:
             tied = bool(read_json(Path(config.model.path) / "config.json").get("tie_word_embeddings", False))
-            self.publisher = make_publisher(self.cfg.weight_sync, paths, self.cfg.publish_timeout_s, tied)
+            self.publisher = make_publisher(
+                self.cfg.weight_sync, paths, self.cfg.publish_timeout_s, tied, PublishOptions.from_config(config)
+            )
         self.upstream = "proxy" if config.rollout.source == "external" else "rollout"
         self.peak: float | None = None
         self._state_dict: dict[str, torch.Tensor] | None = None
@@ -178,24 +180,26 @@ class Trainer:
     def publish(self, version: int, checkpoint: Path | None, timings: Timings) -> None:
         t0 = time.perf_counter()
         if self.publisher is not None:
-            servers = self.publisher.publish(version, checkpoint, self._state_dict)
+            report = self.publisher.publish(version, checkpoint, self._state_dict)
             write_weight_version(self.paths, version, checkpoint)
+            servers = report.servers
             log.info("version %d published to %d server(s)%s", version, len(servers), f": {servers}" if servers else "")
+            timings.weight_sync_s, timings.verify_s = report.sync_s, report.verify_s
+            timings.servers_recovered = len(report.recovered)
         self._state_dict = None
         fsdp.barrier()
         timings.publish_s = time.perf_counter() - t0
 
     def ensure_published(self, version: int) -> None:
-        """After a restart, re-publish the resumed version unless the servers already confirmed it."""
-        if version == 0 or self.publisher is None:
+        """At start, publish the version resumed from (0: the initial model) to every registered server, even one
+        already announced: it proves the servers hold what the trainer holds, and a trainer that died
+        mid-publication left them paused, maybe half-updated, which only a verified publication ends."""
+        if self.publisher is None:
             fsdp.barrier()
             return
-        announced = read_weight_version(self.paths)
-        if announced is None or announced.version != version:
-            self._state_dict = self.backend.hf_state_dict() if self.cfg.weight_sync == "nccl" else None
-            self.publish(version, self.paths.checkpoint_dir(version), Timings())
-        else:
-            fsdp.barrier()
+        self._state_dict = self.backend.hf_state_dict()
+        weights = self.paths.checkpoint_dir(version) if version > 0 else Path(self.config.model.path)
+        self.publish(version, weights, Timings())
 
     def log_metrics(self, step: int, data: StepData, advantages: np.ndarray, updates: list[MinibatchStats],
                     timings: Timings) -> None:  # fmt: skip

@@ -43,6 +43,12 @@ class Timings:
     """Proximal/reference log-probs plus the updates."""
     checkpoint_s: float = 0.0
     publish_s: float = 0.0
+    weight_sync_s: float = 0.0
+    """Of `publish_s`: pausing the servers and moving the tensors."""
+    verify_s: float = 0.0
+    """Of `publish_s`: checking every server holds the version (docs/reliability.md)."""
+    servers_recovered: int = 0
+    """Servers taken out during the publication (failed to update or verify) for the inference stage to recover."""
 
 
 def step_metrics(
@@ -93,6 +99,9 @@ def step_metrics(
         "time_compute_s": timings.compute_s,
         "time_checkpoint_s": timings.checkpoint_s,
         "time_publish_s": timings.publish_s,
+        "weight_sync_s": timings.weight_sync_s,
+        "verify_s": timings.verify_s,
+        "servers_recovered": timings.servers_recovered,
         "world_size": world_size,
     }
     out.update({k: v / trained for k, v in sums.items()})

@@ -1,261 +1,250 @@
-"""Weight publication: get version v onto every registered inference server, then announce it.
+"""Weight publication: get version v onto the inference servers, prove it is there, then announce it.
 
-`disk`: every server reloads the checkpoint directory (`/update_weights_from_disk`; SGLang needs no
-pause or session for it: the load waits for the requests in flight, then flushes the idle cache).
-`nccl`: a broadcast group (trainer = rank 0, then each server's TP ranks) is set up once through
-`/init_weights_update_group`; each version is sent as buckets of HF-named tensors, each bucket
-announced by `/update_weights_from_distributed` WHILE rank 0 broadcasts it (the server's handler
-blocks in the matching receives, so the HTTP call and the broadcast must overlap: the admin calls
-run on an event loop in a background thread). Backend `gloo` on CPU, `nccl` on GPU.
+One publication (`Publisher.publish`), with every server registered (routable or not):
+1. pause generation everywhere (mode `retract`: no token is generated from half-updated weights);
+2. move the tensors (`transports.py`: a disk reload, or a bucketed broadcast over a group, SGLang's
+   protocol: begin -> buckets, the last carrying the version -> end);
+3. verify every server (`verify.py`: a probe's input log-probabilities and a sample of weights
+   against the trainer's own, through SGLang's API);
+4. a server that failed to update or verify is taken out: a request in `state/quarantine/` makes the
+   inference stage deregister it, restart it from the newest checkpoint and register it again once
+   it serves the announced version (docs/reliability.md); it stays paused until then, so it never
+   answers from a model that is neither the old nor the new version;
+5. once `inference.min_servers` (default: every server that took part) verified the version,
+   generation resumes on all of them together; the trainer then announces it
+   (`state/weight_version.json`). Fewer: the publication waits (deadline `trainer.publish_timeout_s`)
+   for servers taken out to come back, and sends them the version too.
 
-One version over the group follows SGLang's protocol (docs/inference.md, "Weight updates"):
-pause (mode `retract`: no token is generated from half-updated weights, and the cache can be
-flushed) -> `/begin_weight_update` -> the buckets (`flush_cache: false` and no version, the last one
-with the version and `flush_cache: true`) -> `/end_weight_update` -> `/continue_generation`. The
-end and the continue run even when a step failed, so a failed update never leaves a server paused
-or its session open. Every step has the publish deadline; errors name the step and the servers.
-
-The trainer announces the version (`state/weight_version.json`, via `pipeline.weight_version`) only
-after every server confirmed it; a server that fails is named in the error (`EngineError` lists
-them). With no server registered (the trainer run alone, a test or a rerun) the version file is
-still written and the log says that no server was updated. Publication runs on rank 0 only.
+When every server fails verification the same way the fault is what the trainer sent (a tensor
+under a wrong name, in a wrong dtype): nothing is announced, the servers stay paused, and the error
+names each server's first mismatch; a restarted trainer publishes its resumed version to them.
+With no server registered (the trainer run alone, a rerun) nothing is sent and the version is still
+announced. Publication runs on rank 0 only.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import contextlib
 import logging
-import socket
-import threading
 import time
-import uuid
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 import torch
 
-from pipeline.engine.net import free_port
-from pipeline.engine.weight_group import broadcast_from_trainer, destroy_weight_group, dtype_name, init_weight_group
+from pipeline.engine.registry import read_entries
 from pipeline.errors import ArlError
 from pipeline.handoff import write_json_atomic
 from pipeline.paths import RunPaths
 from pipeline.trainer.checkpoint import buckets
+from pipeline.trainer.transports import BroadcastTransport, DiskTransport, Outcome, ServerCalls
+from pipeline.trainer.verify import Expected, Verdict, Verifier
 
 log = logging.getLogger("arl.trainer.publish")
-T = TypeVar("T")
-GROUP_NAME = "arl-weights"
-"""Prefix of the broadcast group's name; each group gets a fresh suffix, because torch keeps a process's
-group names until the group is destroyed: a server still holding the group of an earlier trainer (one that
-crashed, or an `arl stage train --step N` redo) could not join a new group of the same name."""
 BUCKET_BYTES = 256 * 1024**2
+_POLL_S = 1.0
+
+StateDict = dict[str, torch.Tensor]
+Tamper = Callable[[int, StateDict], StateDict]
 
 
-class Publisher(Protocol):
-    def publish(self, version: int, checkpoint: Path | None, state_dict: dict[str, torch.Tensor] | None) -> list[str]:
-        """Put `version` on every registered server; return their URLs (empty when none is registered)."""
-        ...
+@dataclass
+class PublishOptions:
+    """What a publication needs beyond the transport's kind and the call deadline (see `from_config`)."""
 
-    def close(self) -> None: ...
+    broadcast_timeout_s: float = 300.0
+    verify_model: Path | None = None
+    """A Hugging Face directory with the model's `config.json` (the verifier's reference); None: no checks."""
+    dtype: str = "float32"
+    """The dtype the servers run in (the verification tolerance depends on it)."""
+    seed: int = 0
+    min_servers: int | None = None
+    on_bucket: Callable[[int, int], None] | None = None
+    """Test seam: called with (version, bucket index) before each broadcast bucket (fault injection)."""
+    tamper: Tamper | None = None
+    """Test seam: rewrites the tensors sent for a version (a wrong name or dtype), not those verified against."""
 
-
-def make_publisher(kind: str, paths: RunPaths, timeout_s: float, tied_embeddings: bool) -> Publisher:
-    if kind == "disk":
-        return DiskPublisher(paths, timeout_s)
-    if kind == "nccl":
-        return BroadcastPublisher(paths, timeout_s, tied_embeddings)
-    raise ValueError(f"unknown trainer.weight_sync {kind!r}; valid: disk, nccl")
-
-
-class AsyncRunner:
-    """An event loop in a daemon thread: lets blocking code (the broadcast) overlap async HTTP calls."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="arl-publish-loop", daemon=True)
-        self.thread.start()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
-        return self.submit(coro).result(timeout=timeout_s)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
-        if not self.thread.is_alive():
-            self.loop.close()
+    @classmethod
+    def from_config(cls, config: Any) -> PublishOptions:
+        trainer = config.trainer
+        return cls(broadcast_timeout_s=trainer.broadcast_timeout_s, dtype=config.model.dtype, seed=trainer.seed,
+                   verify_model=Path(config.model.path) if trainer.verify else None,
+                   min_servers=config.inference.min_servers)  # fmt: skip
 
 
-class _ClientOwner:
-    """Owns one EngineClient living on the runner's loop, pointed at the registry (re-read per call)."""
+@dataclass
+class PublishReport:
+    """What one publication did (the trainer logs it as metrics)."""
 
-    def __init__(self, paths: RunPaths, timeout_s: float) -> None:
-        from pipeline.engine.client import EngineClient
-        from pipeline.engine.registry import urls_from_registry
+    version: int
+    servers: list[str] = field(default_factory=list)
+    """URLs of the servers that verified the version and now serve it."""
+    sync_s: float = 0.0
+    """Pausing and moving the tensors (every round)."""
+    verify_s: float = 0.0
+    recovered: list[str] = field(default_factory=list)
+    """Servers taken out during this publication (handed to the inference stage to recover)."""
+    weights_checked: int = 0
+    """Tensors read back from the servers and found equal (0 where no server can show its weights)."""
 
+
+@dataclass(frozen=True)
+class _Member:
+    name: str
+    url: str
+    started_at: float
+
+    @property
+    def key(self) -> str:
+        """A restarted server keeps its name and URL: its start time tells the two lives apart."""
+        return f"{self.url}@{self.started_at}"
+
+
+class Publisher:
+    """Publishes versions to the servers of one run (one per trainer process, rank 0)."""
+
+    def __init__(self, kind: str, paths: RunPaths, timeout_s: float, tied_embeddings: bool,
+                 options: PublishOptions | None = None) -> None:  # fmt: skip
+        if kind not in ("disk", "nccl"):
+            raise ValueError(f"unknown trainer.weight_sync {kind!r}; valid: disk, nccl")
         self.paths = paths
         self.timeout_s = timeout_s
-        self.urls = urls_from_registry(paths)
-        self.runner = AsyncRunner()
-        self.client = EngineClient(self.urls, request_timeout_s=timeout_s, health_interval_s=0)
-        self.runner.run(self.client.start(), timeout_s)
-
-    def call(self, coro: Coroutine[Any, Any, T], what: str) -> T:
-        return self.wait(self.runner.submit(coro), what)
-
-    def wait(self, future: concurrent.futures.Future[T], what: str) -> T:
-        """The result of an admin call, within the publish deadline (then it is cancelled)."""
-        try:
-            return future.result(timeout=self.timeout_s)
-        except (TimeoutError, concurrent.futures.TimeoutError):
-            future.cancel()
-            raise ArlError(
-                f"{what} not confirmed within trainer.publish_timeout_s={self.timeout_s:.0f}s by servers "
-                f"{self.urls()}; see logs/inference/ (raise the timeout for big models)"
-            ) from None
-
-    @contextlib.contextmanager
-    def afterwards(self, step: Callable[[], Coroutine[Any, Any, Any]], what: str) -> Iterator[None]:
-        """Run `step` after the block, also when the block failed (then a failing `step` is logged, so
-        the block's error is the one raised)."""
-        try:
-            yield
-        except BaseException:
-            try:
-                self.call(step(), what)
-            except Exception as exc:  # the block's error says what went wrong first
-                log.error("%s after a failed publication failed too: %s", what, exc)
-            raise
-        self.call(step(), what)
-
-    def close(self) -> None:
-        try:
-            self.runner.run(self.client.close(), 30)
-        finally:
-            self.runner.close()
-
-
-class DiskPublisher:
-    """Servers reload the checkpoint directory the trainer just wrote."""
-
-    def __init__(self, paths: RunPaths, timeout_s: float) -> None:
-        self.owner = _ClientOwner(paths, timeout_s)
-
-    def publish(self, version: int, checkpoint: Path | None, state_dict: dict[str, torch.Tensor] | None) -> list[str]:
-        if checkpoint is None:
-            raise ValueError("disk weight sync needs a checkpoint for every version")
-        urls = self.owner.urls()
-        if not urls:
-            log.info("version %d: no inference server registered; none was updated", version)
-            return []
-        self.owner.call(self.owner.client.update_weights_from_disk(str(checkpoint.resolve()), version),
-                        f"/update_weights_from_disk of version {version}")  # fmt: skip
-        return urls
-
-    def close(self) -> None:
-        self.owner.close()
-
-
-class BroadcastPublisher:
-    """Bucketed broadcast over a process group shared with the servers (gloo on CPU, nccl on GPU)."""
-
-    def __init__(self, paths: RunPaths, timeout_s: float, tied_embeddings: bool) -> None:
-        self.owner = _ClientOwner(paths, timeout_s)
-        self.paths = paths
         self.tied = tied_embeddings
-        self.group: Any = None
-        self.group_name = ""
-        self.members: list[str] = []
-        self.backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
+        self.options = options or PublishOptions()
+        self.calls = ServerCalls(timeout_s)
+        self.transport: DiskTransport | BroadcastTransport = (
+            DiskTransport(self.calls) if kind == "disk"
+            else BroadcastTransport(self.calls, paths, self.options.broadcast_timeout_s, self.options.on_bucket)
+        )  # fmt: skip
+        model = self.options.verify_model
+        self.verifier = Verifier(model, self.options.dtype, tied_embeddings, seed=self.options.seed) if model else None
 
-    def publish(self, version: int, checkpoint: Path | None, state_dict: dict[str, torch.Tensor] | None) -> list[str]:
-        if state_dict is None:
-            raise ValueError("nccl weight sync needs the full state dict on rank 0")
-        urls = self.owner.urls()
-        if not urls:
+    def publish(self, version: int, checkpoint: Path | None, state_dict: StateDict | None) -> PublishReport:
+        """Put `version` on the servers and verify it (module docstring); raises when it cannot be announced."""
+        report = PublishReport(version)
+        members = self._members()
+        if not members:
             log.info("version %d: no inference server registered; none was updated", version)
-            return []
-        if self.group is None:
-            self._setup(urls)
-        elif sorted(urls) != sorted(self.members):
+            return report
+        tensors = state_dict if state_dict is not None else _read_checkpoint(checkpoint)
+        expected = self.verifier.expect(version, tensors) if self.verifier is not None else None
+        sent = {k: v for k, v in tensors.items() if not (self.tied and k == "lm_head.weight")}
+        if self.options.tamper is not None:
+            sent = self.options.tamper(version, dict(sent))
+        required = self.options.min_servers or len(members)
+        verified: dict[str, _Member] = {}
+        seen: set[str] = set()
+        deadline = time.monotonic() + self.timeout_s
+        pending = members
+        while True:
+            if pending:
+                seen.update(m.key for m in pending)
+                self._round(version, pending, checkpoint, sent, expected, verified, report)
+            if len(verified) >= required:
+                break
+            if time.monotonic() > deadline:
+                raise ArlError(
+                    f"version {version} verified on {len(verified)} server(s), {required} needed "
+                    f"(inference.min_servers); taken out: {report.recovered}; no server came back within "
+                    f"trainer.publish_timeout_s={self.timeout_s:.0f}s (see logs/inference/); version not announced"
+                )
+            time.sleep(_POLL_S)
+            pending = [m for m in self._members() if m.key not in seen]
+        self._resume([m.url for m in verified.values()], version)
+        report.servers = [m.url for m in verified.values()]
+        return report
+
+    def _round(self, version: int, pending: list[_Member], checkpoint: Path | None, sent: dict[str, torch.Tensor],
+               expected: Expected | None, verified: dict[str, _Member], report: PublishReport) -> None:  # fmt: skip
+        """Pause, send and verify `pending`; add who verified to `verified`, take the others out."""
+        t0 = time.perf_counter()
+        urls = [m.url for m in pending]
+        failed = self.calls.failures(urls, "POST", "/pause_generation", {"mode": "retract"})
+        live = [u for u in urls if u not in failed]
+        outcome = self.transport.send(version, live, checkpoint, buckets(sent, BUCKET_BYTES)) if live else Outcome()
+        failed.update(outcome.failed)
+        report.sync_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        verdicts = self._verify(outcome.ok, expected)
+        report.verify_s += time.perf_counter() - t1
+        report.weights_checked += sum(v.weights_checked for v in verdicts)
+        bad = {v.url: v.problem or "verification failed" for v in verdicts if not v.ok}
+        if bad and not verified and len(bad) == len(outcome.ok) == len(urls):
             raise ArlError(
-                f"the inference servers changed since the weight broadcast group was set up (was {self.members}, "
-                f"now {urls}); restart the trainer (it resumes exactly) or use trainer.weight_sync=disk"
-            )
-        tensors = {k: v for k, v in state_dict.items() if not (self.tied and k == "lm_head.weight")}
-        self._send_version(version, buckets(tensors, BUCKET_BYTES))
-        return urls
+                f"version {version} failed verification on every server ({len(bad)}), so what the trainer sent is "
+                f"wrong (a tensor under a wrong name, in a wrong dtype) or every server corrupted it: "
+                + "; ".join(bad.values()) + ". Nothing is announced; the servers stay paused until a trainer "
+                "publishes a verified version (a restarted trainer publishes the version it resumes from)"
+            )  # fmt: skip
+        failed.update(bad)
+        for member in pending:
+            if member.url in failed:
+                self._take_out(member, version, failed[member.url])
+                report.recovered.append(member.name)
+            else:
+                verified[member.key] = member
 
-    def _send_version(self, version: int, parts: list[dict[str, torch.Tensor]]) -> None:
-        """pause (retract) -> begin -> buckets -> end -> continue; end and continue also after a failure."""
-        client, owner = self.owner.client, self.owner
-        with owner.afterwards(client.continue_generation, f"/continue_generation after version {version}"):
-            owner.call(client.pause_generation("retract"), f"/pause_generation (retract) before version {version}")
-            with owner.afterwards(client.end_weight_update, f"/end_weight_update of version {version}"):
-                owner.call(client.begin_weight_update(), f"/begin_weight_update of version {version}")
-                for i, bucket in enumerate(parts):
-                    last = i == len(parts) - 1
-                    self._send(bucket, version if last else None, version, f"bucket {i + 1}/{len(parts)}")
+    def _verify(self, urls: list[str], expected: Expected | None) -> list[Verdict]:
+        if self.verifier is None or expected is None or not urls:
+            return [Verdict(u, ok=True) for u in urls]
+        verifier, client = self.verifier, self.calls.client
 
-    def _setup(self, urls: list[str]) -> None:
-        """Join as rank 0 (the engine's own `init_weight_group`, SGLang-compatible) while every server joins
-        through `/init_weights_update_group`."""
-        address = "127.0.0.1" if all(_is_loopback(u) for u in urls) else socket.gethostbyname(socket.getfqdn())
-        port = free_port("0.0.0.0")  # the store listens on every interface: the port must be free on all
-        world = self.owner.call(self.owner.client.weights_group_world_size(), "/server_info")
-        name = f"{GROUP_NAME}-{uuid.uuid4().hex[:8]}"
-        write_json_atomic(self.paths.weight_sync, {"master_address": address, "master_port": port,
-                                                   "group_name": name, "backend": self.backend,
-                                                   "world_size": world, "created_at": time.time()})  # fmt: skip
-        joined = self.owner.runner.submit(self.owner.client.init_weights_update_group(address, port, name,
-                                                                                      self.backend))  # fmt: skip
-        self.group = init_weight_group(address, port, rank=0, world_size=world, group_name=name,
-                                       backend=self.backend, timeout_s=self.owner.timeout_s)  # fmt: skip
-        self.group_name = name
-        self.owner.wait(joined, "/init_weights_update_group")
-        self.members = list(urls)
-        log.info("weight broadcast group %s ready: %s world %d at %s:%d", name, self.backend, world, address, port)
+        async def every() -> list[Verdict]:
+            import asyncio
 
-    def _send(self, bucket: dict[str, torch.Tensor], announce: int | None, version: int, which: str) -> None:
-        """One bucket: the servers' receive (HTTP) and rank 0's broadcast, overlapping. Only the last bucket
-        `announce`s the version and flushes: SGLang records the version when a bucket loads."""
-        names = list(bucket)
-        dtypes = [dtype_name(t.dtype) for t in bucket.values()]
-        shapes = [list(t.shape) for t in bucket.values()]
-        update = self.owner.client.update_weights_from_distributed(
-            names, dtypes, shapes, self.group_name, announce, flush_cache=announce is not None
-        )
-        confirmed = self.owner.runner.submit(update)
-        what = f"/update_weights_from_distributed of version {version}, {which}"
-        try:
-            broadcast_from_trainer(self.group, [t.to(self.device) for t in bucket.values()])
-        except Exception as exc:
-            if confirmed.done() and confirmed.exception() is not None:
-                raise ArlError(f"{what}: the broadcast failed ({exc}) after the servers refused: "
-                               f"{confirmed.exception()}") from exc  # fmt: skip
-            raise
-        self.owner.wait(confirmed, what)
+            return list(await asyncio.gather(*(verifier.check(client, u, expected) for u in urls)))
+
+        verdicts = self.calls.runner.run(every(), self.timeout_s + 30)
+        for v in verdicts:
+            log.info("version %d on %s: %s (probe max |diff| %.2g, %d weights read back, %.2fs)", expected.version,
+                     v.url, "verified" if v.ok else f"FAILED: {v.problem}", v.probe_max_diff, v.weights_checked,
+                     v.seconds)  # fmt: skip
+        return verdicts
+
+    def _take_out(self, member: _Member, version: int, reason: str) -> None:
+        """Ask the inference stage to deregister and recover `member` (it stays paused meanwhile)."""
+        log.error("taking inference server %s (%s) out at version %d: %s", member.name, member.url, version, reason)
+        write_json_atomic(self.paths.quarantine_entry(member.name), {
+            "server": member.name, "url": member.url, "started_at": member.started_at, "version": version,
+            "reason": reason, "at": time.time()})  # fmt: skip
+
+    def _resume(self, urls: list[str], version: int) -> None:
+        for url, why in self.calls.failures(urls, "POST", "/continue_generation", {}).items():
+            log.error("%s verified version %d but did not resume generation: %s", url, version, why)
+
+    def _members(self) -> list[_Member]:
+        """Every registered server not waiting to be taken out (routable or not: all get every version)."""
+        queue = self.paths.quarantine
+        quarantined = {p.stem for p in queue.glob("*.json")} if queue.is_dir() else set()
+        return [_Member(name, e.url, e.started_at) for name, e in read_entries(self.paths).items()
+                if name not in quarantined]  # fmt: skip
+
+    @property
+    def group_name(self) -> str:
+        """The broadcast group's name ("" without one)."""
+        return getattr(self.transport, "group_name", "")
 
     def close(self) -> None:
-        """Leave the group on both sides: the servers outlive this trainer, and a group they kept would hold
-        its ranks and name there (best effort: a server that is gone has nothing to free)."""
-        if self.group is not None:
-            try:
-                self.owner.call(self.owner.client.destroy_weights_update_group(self.group_name),
-                                f"/destroy_weights_update_group {self.group_name}")  # fmt: skip
-            except Exception as exc:  # closing must not mask the trainer's own outcome
-                log.warning("the servers did not leave weight group %s: %s", self.group_name, exc)
-            destroy_weight_group(self.group)
-            self.group = None
-        self.owner.close()
+        """Leave the broadcast group on both sides (the servers outlive this trainer)."""
+        try:
+            self.transport.close()
+        except Exception as exc:  # closing must not mask the trainer's own outcome
+            log.warning("leaving the weight group failed: %s", exc)
+        self.calls.close()
 
 
-def _is_loopback(url: str) -> bool:
-    from urllib.parse import urlparse
+def make_publisher(kind: str, paths: RunPaths, timeout_s: float, tied_embeddings: bool,
+                   options: PublishOptions | None = None) -> Publisher:  # fmt: skip
+    return Publisher(kind, paths, timeout_s, tied_embeddings, options)
 
-    return (urlparse(url).hostname or "") in ("127.0.0.1", "localhost", "::1")
+
+def _read_checkpoint(checkpoint: Path | None) -> dict[str, torch.Tensor]:
+    if checkpoint is None:
+        raise ValueError("publishing needs the state dict or a checkpoint directory")
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors

@@ -11,8 +11,10 @@ Life of the stage:
 3. wait until each answers `/health` (deadline `inference.startup_timeout_s`; the error names
    the server and its log, and a process that exits early fails the wait at once);
 4. publish `registry/inference/<host>-<port>.json` atomically for each;
-5. supervise: a server whose process exits is logged and deregistered; a server failing three
-   health checks in a row is deregistered until it answers again; when none is left, exit 1;
+5. supervise (`supervise.py`): a server that crashes, or that the trainer takes out because a weight
+   swap failed on it, is deregistered and restarted from the newest checkpoint (at most
+   `inference.max_restarts` times); a server failing three health checks in a row is deregistered
+   until it answers again; when none is left, exit 1;
 6. on SIGTERM / SIGINT: deregister everything first, then stop the processes (by pid).
 """
 
@@ -26,15 +28,13 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, Any
 
 import httpx
 
 from pipeline.engine.net import free_port, port_is_free, public_host
-from pipeline.engine.registry import remove_entry, write_entry
 from pipeline.engine.server.procs import ProcSpec, server_procs
+from pipeline.engine.server.supervise import RunningServer, Supervisor, deregister, healthy, register, tail, terminate
 from pipeline.errors import ArlError, WaitTimeout
 from pipeline.paths import RunPaths
 from pipeline.stage import StageContext
@@ -48,26 +48,6 @@ _POLL_S = 1.0
 
 class ServerDied(ArlError):
     """An inference server process exited while the stage was starting it."""
-
-
-@dataclass
-class RunningServer:
-    name: str
-    url: str
-    log_path: Path
-    procs: list[subprocess.Popen[bytes]]
-    entry: InferenceEntry
-    registered: bool = False
-    strikes: int = 0
-    logs: list[IO[bytes]] = field(default_factory=list)
-
-    def exited(self) -> int | None:
-        """Exit code of the first process that ended, or None while all run."""
-        for proc in self.procs:
-            code = proc.poll()
-            if code is not None:
-                return code
-        return None
 
 
 def initial_weights(paths: RunPaths, config: ArlConfig) -> tuple[str, int]:
@@ -97,14 +77,23 @@ def run_inference(ctx: StageContext, *, stop: threading.Event | None = None) -> 
             servers.append(_start(paths, config, index, port, model_path, version, attempt))
         _wait_healthy(servers, config.inference.startup_timeout_s, stop)
         for server in servers:
-            _register(paths, server)
+            register(paths, server)
         log.info("inference servers ready: %s", ", ".join(s.url for s in servers))
-        return _supervise(paths, servers, stop)
+
+        def restart(old: RunningServer) -> RunningServer:
+            path, weights = initial_weights(paths, config)
+            return _start(paths, config, old.index, old.port, path, weights, attempt)
+
+        supervisor = Supervisor(paths, servers, restart, max_restarts=config.inference.max_restarts,
+                                startup_timeout_s=config.inference.startup_timeout_s)  # fmt: skip
+        code = supervisor.run(stop)
+        servers = supervisor.live
+        return code
     finally:
         for server in servers:
-            _deregister(paths, server)
+            deregister(paths, server)
         for server in servers:
-            _terminate(server)
+            terminate(server)
         restore()
 
 
@@ -155,7 +144,7 @@ def _start(
     log.info(
         "started %s server %d on port %d (pids %s, log %s)", inf.backend, index, port, [p.pid for p in procs], log_path
     )
-    return RunningServer(f"{socket.gethostname()}-{port}", url, log_path, procs, entry, logs=handles)
+    return RunningServer(f"{socket.gethostname()}-{port}", url, log_path, procs, entry, index, port, logs=handles)
 
 
 def _spawn(spec: ProcSpec, log_file: IO[bytes]) -> subprocess.Popen[bytes]:
@@ -186,9 +175,9 @@ def _wait_healthy(servers: list[RunningServer], timeout_s: float, stop: threadin
                 if code is not None:
                     raise ServerDied(
                         f"inference server {server.name} ({server.url}) exited with code {code} while "
-                        f"starting; see its log: {server.log_path}\n{_tail(server.log_path)}"
+                        f"starting; see its log: {server.log_path}\n{tail(server.log_path)}"
                     )
-                if _healthy(http, server.url):
+                if healthy(http, server.url):
                     pending.remove(server)
             if not pending or stop.is_set():
                 return
@@ -199,85 +188,6 @@ def _wait_healthy(servers: list[RunningServer], timeout_s: float, stop: threadin
                     f"{names}. Raise inference.startup_timeout_s if the model is large."
                 )
             time.sleep(0.25)
-
-
-def _supervise(paths: RunPaths, servers: list[RunningServer], stop: threading.Event) -> int:
-    live = list(servers)
-    with httpx.Client(timeout=5.0) as http:
-        while not stop.wait(_POLL_S):
-            for server in list(live):
-                code = server.exited()
-                if code is not None:
-                    log.error(
-                        "inference server %s (%s) exited with code %s; deregistered. Its log: %s\n%s",
-                        server.name,
-                        server.url,
-                        code,
-                        server.log_path,
-                        _tail(server.log_path),
-                    )
-                    _deregister(paths, server)
-                    live.remove(server)
-                    continue
-                _check(paths, http, server)
-            if not live:
-                log.error("every inference server has exited; stopping the stage")
-                return 1
-    log.info("stop requested: deregistering and stopping %d server(s)", len(live))
-    return 0
-
-
-def _check(paths: RunPaths, http: httpx.Client, server: RunningServer) -> None:
-    if _healthy(http, server.url):
-        if not server.registered:
-            log.info("inference server %s answers again; re-registered", server.name)
-            _register(paths, server)
-        server.strikes = 0
-        return
-    server.strikes += 1
-    if server.strikes == _HEALTH_STRIKES and server.registered:
-        log.error(
-            "inference server %s failed %d health checks; deregistered (log: %s)",
-            server.name,
-            _HEALTH_STRIKES,
-            server.log_path,
-        )
-        _deregister(paths, server)
-
-
-def _healthy(http: httpx.Client, url: str) -> bool:
-    try:
-        return http.get(f"{url}/health").status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _register(paths: RunPaths, server: RunningServer) -> None:
-    write_entry(paths, server.name, server.entry)
-    server.registered = True
-
-
-def _deregister(paths: RunPaths, server: RunningServer) -> None:
-    if server.registered:
-        remove_entry(paths, server.name)
-        server.registered = False
-
-
-def _terminate(server: RunningServer, grace_s: float = 15.0) -> None:
-    """SIGTERM each process of the server (by pid), SIGKILL what is left after `grace_s`."""
-    for proc in reversed(server.procs):  # adapters before the engines they front
-        if proc.poll() is None:
-            proc.terminate()
-    deadline = time.monotonic() + grace_s
-    for proc in server.procs:
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            log.warning("server process %d ignored SIGTERM for %.0fs; killing it", proc.pid, grace_s)
-            proc.kill()
-            proc.wait()
-    for handle in server.logs:
-        handle.close()
 
 
 def _install_signal_handlers(stop: threading.Event) -> Any:
@@ -293,10 +203,3 @@ def _install_signal_handlers(stop: threading.Event) -> Any:
     for sig in previous:
         signal.signal(sig, handler)
     return lambda: [signal.signal(sig, old) for sig, old in previous.items()]
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return "(no log written)"
