@@ -19,6 +19,14 @@ prompt-major):
 With `top_logprobs_num: k` (and `return_logprob`), `meta_info.output_top_logprobs` holds, per output
 token, the k most likely tokens as `[logprob, token_id, text or null]`, most likely first.
 
+With `logprob_start_len: s` >= 0 (and `return_logprob`), `meta_info.input_token_logprobs` scores the
+prompt from position s on, laid out as SGLang does: one `[logprob, token_id, text or null]` per prompt
+token `input_ids[s:]`, the first one's logprob null (SGLang's scheduler prepends None), and position
+i > s holding `log_softmax(logits[i - 1])[input_ids[i]]` of the raw logits (no temperature), in fp32.
+For the prompt [5, 9, 7] and s = 0: `[[null, 5, null], [-3.2, 9, null], [-1.1, 7, null]]`. With k > 0,
+`meta_info.input_top_logprobs` has per prompt position null (the first) or its k most likely tokens.
+`max_new_tokens: 0` scores the prompt and generates nothing.
+
 `weight_version` is a string, as in SGLang; arl always puts the decimal version number there.
 """
 
@@ -31,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_TOP_LOGPROBS = 20
 """Upper bound of `top_logprobs_num` (OpenAI's `top_logprobs` bound; the cost grows with it)."""
 TopLogprobsNum = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+LogprobStart = Annotated[int, Field(ge=-1)]
 
 # SGLang sampling fields we accept only at their neutral value: a request that sets them expects
 # an effect the hf engine does not implement, so it is refused with the field named.
@@ -117,10 +126,13 @@ class GenerateReqInput(_Strict):
     """One `SamplingParams` object for every prompt, or one per prompt (validated per item)."""
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] = False
-    logprob_start_len: int | list[int] = -1
+    logprob_start_len: LogprobStart | list[LogprobStart] = -1
+    """With `return_logprob`: the first prompt position of `meta_info.input_token_logprobs` (0: the whole
+    prompt; at most the prompt's length); -1: no prompt logprobs (output tokens only)."""
     top_logprobs_num: TopLogprobsNum | list[TopLogprobsNum] = 0
     """With `return_logprob`: the k (0..20) most likely tokens of each output position in
-    `meta_info.output_top_logprobs`, from the distribution the token logprobs come from."""
+    `meta_info.output_top_logprobs`, from the distribution the token logprobs come from (and of each
+    scored prompt position in `meta_info.input_top_logprobs`, from the raw logits)."""
     return_text_in_logprobs: bool = False
     stream: bool = False
     session_id: str | None = None
@@ -140,9 +152,6 @@ class GenerateReqInput(_Strict):
     def _one_input(self) -> GenerateReqInput:
         if (self.input_ids is None) == (self.text is None):
             raise ValueError("give exactly one of input_ids (token ids) or text")
-        starts = self.logprob_start_len
-        if any(v != -1 for v in (starts if isinstance(starts, list) else [starts])):
-            raise ValueError("logprob_start_len is not supported by the hf engine (output-token logprobs only)")
         return self
 
     def is_batch(self) -> bool:
@@ -226,6 +235,21 @@ class UpdateWeightsFromDistributedReqInput(_Strict):
                 f"{len(self.names)}, {len(self.dtypes)}, {len(self.shapes)}"
             )
         return self
+
+
+class GetWeightsByNameReqInput(_Strict):
+    """Body of `/get_weights_by_name` (GET or POST): the first rows of one parameter, as SGLang answers them.
+
+    The answer is the bare JSON list `param.float().tolist()[:truncate_size]`: the first `truncate_size`
+    rows of a matrix (each a list of floats), the first elements of a vector. `name` is the Hugging Face
+    parameter name; a tied `lm_head.weight` answers the embedding's rows.
+    """
+
+    name: str = Field(min_length=1)
+    truncate_size: int = Field(default=100, ge=0)
+    """How many rows (elements of a vector) to return; SGLang's default 100."""
+    rid: str | None = None
+    """Accepted for SGLang compatibility (its request base class carries it); unused."""
 
 
 class InferenceEntry(BaseModel):

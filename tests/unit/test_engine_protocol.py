@@ -76,7 +76,7 @@ def test_model_level_refusals():
     with pytest.raises(ValueError, match="exactly one of input_ids"):
         GenerateReqInput.model_validate({"sampling_params": {}})
     with pytest.raises(ValueError, match="logprob_start_len"):
-        GenerateReqInput.model_validate({"input_ids": [1], "logprob_start_len": 0})
+        GenerateReqInput.model_validate({"input_ids": [1], "logprob_start_len": -2})
     with pytest.raises(ValueError, match="rank_offset"):
         InitWeightsUpdateGroupReqInput(master_address="h", master_port=1, rank_offset=2, world_size=2)
 

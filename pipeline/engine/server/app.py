@@ -5,7 +5,8 @@ Every route of docs/inference.md is here, once, for every backend: `/health`, `/
 deprecated aliases `/get_model_info`, `/get_server_info`), `/flush_cache`, `/abort_request`,
 `/pause_generation`, `/continue_generation`, `/update_weights_from_disk`, `/init_weights_update_group`,
 `/begin_weight_update`, `/update_weights_from_distributed`, `/end_weight_update`,
-`/destroy_weights_update_group`. Every path is one SGLang 0.5.23 serves, with its meaning.
+`/destroy_weights_update_group`, `/get_weights_by_name`. Every path is one SGLang 0.5.23 serves, with
+its meaning.
 
 Weight-update sessions are SGLang's: `/update_weights_from_distributed` is refused (400, before anything
 is received) unless `/begin_weight_update` opened a session that `/end_weight_update` has not closed yet,
@@ -31,7 +32,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from pipeline.engine.server.backend import EngineBackend, Progress
-from pipeline.engine.server.requests import RequestError, WorkItem, expand, response, splice_top, top_entries
+from pipeline.engine.server.requests import (
+    PromptLogprobs,
+    RequestError,
+    WorkItem,
+    expand,
+    response,
+    splice_top,
+    top_entries,
+)
 from pipeline.engine.tokens import TopEntry
 from schemas.engine_api import (
     AbortReq,
@@ -39,6 +48,7 @@ from schemas.engine_api import (
     DestroyWeightsUpdateGroupReqInput,
     EndWeightUpdateReqInput,
     GenerateReqInput,
+    GetWeightsByNameReqInput,
     InitWeightsUpdateGroupReqInput,
     PauseGenerationReqInput,
     UpdateWeightFromDiskReqInput,
@@ -98,6 +108,8 @@ def _generation_routes(app: FastAPI, backend: EngineBackend) -> None:
         backend.requests_total += 1
         body = await parse_body(request, GenerateReqInput)
         items = expand(body, backend.limits, backend.tokenizer)
+        if not backend.serves_input_logprobs and any(i.logprob_start_len >= 0 for i in items):
+            raise RequestError("logprob_start_len >= 0 (prompt logprobs) is not supported by this engine")
         text = body.return_text_in_logprobs
         if body.stream:
             return StreamingResponse(_events(backend, items[0], text), media_type="text/event-stream")
@@ -112,12 +124,14 @@ async def _complete(backend: EngineBackend, item: WorkItem, text_in_logprobs: bo
     ids: list[int] = []
     logprobs: list[float] = []
     top: list[TopEntry] = []
+    prompt: PromptLogprobs | None = None
     last = Progress([], [], backend.weight_version)
     async with contextlib.aclosing(backend.generate(item, stream=False)) as progress:
         async for last in progress:
             ids += last.new_ids
             logprobs += last.new_logprobs
             top += last.new_top
+            prompt = prompt or last.prompt
     return response(
         item,
         ids,
@@ -127,6 +141,7 @@ async def _complete(backend: EngineBackend, item: WorkItem, text_in_logprobs: bo
         backend.tokenizer,
         top_logprobs=top,
         text_in_logprobs=text_in_logprobs,
+        prompt_logprobs=prompt,
     )
 
 
@@ -145,7 +160,8 @@ class _Chunks:
     """The JSON text of each streamed event of one completion.
 
     Each position's top logprobs are encoded once and spliced into every cumulative event
-    (`requests.splice_top` says why).
+    (`requests.splice_top` says why). The scored prompt (if asked) is in every event from the first on,
+    as SGLang's `meta_info.input_token_logprobs`.
     """
 
     def __init__(self, item: WorkItem, tokenizer: Any, text_in_logprobs: bool, incremental: bool) -> None:
@@ -158,6 +174,7 @@ class _Chunks:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_json: list[str] = []
+        self.prompt: PromptLogprobs | None = None
 
     def add(self, event: Progress) -> str | None:
         """The event's JSON text, or None when it carries neither tokens nor the finish."""
@@ -165,6 +182,7 @@ class _Chunks:
         self.ids += event.new_ids
         self.logprobs += event.new_logprobs
         self.top_json += [json.dumps(e) for e in top_entries(event.new_top, self.tokenizer, self.text_in_logprobs)]
+        self.prompt = self.prompt or event.prompt
         if not event.new_ids and event.finish is None:
             return None
         chunk = response(
@@ -175,6 +193,7 @@ class _Chunks:
             event.weight_version,
             self.tokenizer,
             text_in_logprobs=self.text_in_logprobs,
+            prompt_logprobs=self.prompt,
         )
         meta = chunk["meta_info"]
         with_top = meta.pop("output_top_logprobs", None) is not None
@@ -294,6 +313,12 @@ def _weight_routes(app: FastAPI, backend: EngineBackend) -> None:
     async def destroy_weights_update_group(request: Request) -> JSONResponse:
         body = await parse_body(request, DestroyWeightsUpdateGroupReqInput, allow_empty=True)
         return _success(await backend.leave_group(body.group_name))
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request) -> JSONResponse:
+        # SGLang answers the bare list of rows (its 400 body is {"error": {"message"}}; ours is the admin one).
+        body = await parse_body(request, GetWeightsByNameReqInput)
+        return JSONResponse(await backend.weights_by_name(body.name, body.truncate_size))
 
 
 class _Session:

@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pipeline.engine.server.requests import Limits, WorkItem
+from pipeline.engine.server.requests import Limits, PromptLogprobs, WorkItem
 from pipeline.engine.tokens import TopEntry
 from schemas.engine_api import InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput
 
@@ -32,6 +32,8 @@ class Progress:
     """SGLang's `finish_reason` on the last event of a completion, else None."""
     new_top: list[TopEntry] = field(default_factory=list)
     """Top logprobs of the new tokens (empty unless the request set `top_logprobs_num`)."""
+    prompt: PromptLogprobs | None = None
+    """The scored prompt (`logprob_start_len` >= 0), on the first event of a completion only."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,8 @@ class EngineBackend(Protocol):
     failure_status: int
     """HTTP status of an unexpected error: 500 for an engine that failed itself, 502 for an adapter,
     whose unexpected errors are its upstream's."""
+    serves_input_logprobs: bool
+    """Scores prompts (`logprob_start_len` >= 0: `Progress.prompt`); if False the app refuses such a request."""
 
     @property
     def weight_version(self) -> int:
@@ -130,6 +134,12 @@ class EngineBackend(Protocol):
 
     async def leave_group(self, group_name: str) -> str:
         """Leave (destroy) a weight-broadcast group."""
+        ...
+
+    async def weights_by_name(self, name: str, truncate_size: int) -> list[Any]:
+        """SGLang's `/get_weights_by_name`: `param.float().cpu().tolist()[:truncate_size]` of the served
+        parameter with that Hugging Face name (a tied `lm_head.weight`: the embedding), read consistently
+        with weight updates (never half-way through one). An unknown name is a `RequestError`."""
         ...
 
     def model_info(self) -> dict[str, Any]:

@@ -6,6 +6,11 @@ step for every running sequence → deliver the new tokens to the waiting HTTP h
 that arrives mid-generation starts at the next iteration; a finished sequence leaves the batch
 at once, so nobody waits for an unrelated long completion.
 
+Prompt logprobs (`logprob_start_len` >= 0, SGLang's input logprobs): such a request is prefilled as
+a batch of its own, keeping the logits of the scored positions only (`logits_to_keep`), so the other
+requests of the step pay nothing for it; the scores go out with the request's first event. A request
+with `max_new_tokens` 0 is prefilled only when it wants its prompt scored (else finished at once).
+
 Weight updates (`update`) are applied between steps, with SGLang's semantics: the update waits
 until the requests in flight have finished (new requests queue meanwhile), unless generation is
 paused (`/pause_generation`), in which case it applies at once and the paused requests continue
@@ -32,7 +37,8 @@ import torch
 
 from pipeline.engine.server.backend import Progress
 from pipeline.engine.server.kvbatch import KVBatch, cache_tensors, dynamic_cache, left_pad
-from pipeline.engine.server.sampling import RowSampling, sample_batch
+from pipeline.engine.server.requests import PromptLogprobs
+from pipeline.engine.server.sampling import RowSampling, prompt_logprobs, sample_batch
 from pipeline.engine.tokens import TopEntry
 
 log = logging.getLogger("arl.engine.batcher")
@@ -48,6 +54,8 @@ class GenRequest:
     stop_strings: list[str]
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[Progress]
+    logprob_start_len: int = -1
+    """Score the prompt from this position on (SGLang's input logprobs); -1: no."""
 
 
 @dataclass
@@ -58,6 +66,9 @@ class _Seq:
     top: list[TopEntry] = field(default_factory=list)
     emitted: int = 0
     finish: dict[str, Any] | None = None
+    prompt: PromptLogprobs | None = None
+    """The scored prompt, once computed (a retracted request keeps it: it is not scored twice)."""
+    prompt_sent: bool = False
 
 
 @dataclass
@@ -235,15 +246,19 @@ class Scheduler:
                 seq = self._waiting.popleft()
                 if seq.finish is None:
                     fresh.append(seq)
-        for seq in [s for s in fresh if s.req.max_new_tokens == 0]:
+        scoring = [s for s in fresh if _wants_prompt_scored(s)]
+        for seq in [s for s in fresh if s.req.max_new_tokens == 0 and not _wants_prompt_scored(s)]:
             self._finish(seq, {"type": "length", "length": 0})
-        fresh = [s for s in fresh if s.finish is None]
-        if not fresh:
-            return False
-        self._guarded(lambda: self._prefill(fresh), fresh)
-        return True
+        plain = [s for s in fresh if s.finish is None and not _wants_prompt_scored(s)]
+        if plain:
+            self._guarded(lambda: self._prefill(plain), plain)
+        for seq in scoring:  # one at a time: only its scored positions' logits are kept
+            keep = len(seq.req.input_ids) - seq.req.logprob_start_len
+            self._guarded(lambda: self._prefill([seq], keep=keep), [seq])  # noqa: B023 (called at once)
+        return bool(plain or scoring)
 
-    def _prefill(self, fresh: list[_Seq]) -> None:
+    def _prefill(self, fresh: list[_Seq], keep: int = 1) -> None:
+        """Prefill `fresh` and sample their first tokens; `keep` > 1 (one sequence): score its prompt too."""
         ids, mask = left_pad([s.req.input_ids + s.output for s in fresh], self.pad_id, self.device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         out = self.model(
@@ -252,8 +267,17 @@ class Scheduler:
             position_ids=positions,
             past_key_values=dynamic_cache(None, self.model.config),
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=max(keep, 1),
         )
+        for row, seq in enumerate(fresh):
+            if _wants_prompt_scored(seq):
+                seq.prompt = prompt_logprobs(
+                    out.logits[row], seq.req.input_ids, seq.req.logprob_start_len, seq.req.sampling.top_logprobs_num
+                )
+        if all(s.req.max_new_tokens == 0 for s in fresh):  # scored only: nothing to generate
+            for seq in fresh:
+                self._finish(seq, {"type": "length", "length": 0})
+            return
         batch = KVBatch(cache_tensors(out.past_key_values), mask)
         self._batch = batch if self._batch is None else self._batch.merge(batch)
         self._running.extend(fresh)
@@ -339,7 +363,11 @@ class Scheduler:
     # -- delivery ---------------------------------------------------------------------------
     def _progress(self, seq: _Seq) -> Progress:
         start, seq.emitted = seq.emitted, len(seq.output)
-        return Progress(seq.output[start:], seq.logprobs[start:], self.weight_version, seq.finish, seq.top[start:])
+        prompt = None if seq.prompt_sent else seq.prompt
+        seq.prompt_sent = seq.prompt_sent or prompt is not None
+        return Progress(
+            seq.output[start:], seq.logprobs[start:], self.weight_version, seq.finish, seq.top[start:], prompt
+        )
 
     def _finish(self, seq: _Seq, finish: dict[str, Any]) -> None:
         if seq.finish is not None:
@@ -374,6 +402,10 @@ class Scheduler:
         for _, future in commands:
             future.set_exception(RuntimeError(message))
         self._flush()
+
+
+def _wants_prompt_scored(seq: _Seq) -> bool:
+    return seq.req.logprob_start_len >= 0 and seq.prompt is None
 
 
 def _deliver(items: list[tuple[asyncio.Queue[Progress], Progress]]) -> None:

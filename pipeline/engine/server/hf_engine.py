@@ -16,7 +16,7 @@ from typing import Any
 
 from pipeline.engine.server.backend import Check, Progress, model_info_body
 from pipeline.engine.server.batcher import GenRequest, Scheduler
-from pipeline.engine.server.hf_weights import WeightUpdates
+from pipeline.engine.server.hf_weights import StagedUpdate, WeightUpdates
 from pipeline.engine.server.requests import Limits, WorkItem, stop_token_ids
 from pipeline.engine.server.sampling import RowSampling
 from pipeline.engine.server.weights import eos_token_ids, load_model, load_tokenizer, resolve_device
@@ -47,6 +47,7 @@ class HFEngine(WeightUpdates):
     """The model and its scheduler, as an `EngineBackend`; `start()` before serving, `stop()` after."""
 
     failure_status = 500
+    serves_input_logprobs = True
 
     def __init__(self, config: HFEngineConfig) -> None:
         self.config = config
@@ -69,6 +70,7 @@ class HFEngine(WeightUpdates):
             seed=config.seed,
         )
         self.weight_groups: dict[str, Any] = {}
+        self.staged = StagedUpdate()
         self.incremental_stream = config.incremental_streaming_output
         self.requests_total = 0
         self.started_at = time.time()
@@ -101,6 +103,7 @@ class HFEngine(WeightUpdates):
             stop_strings=params.stop_strings(),
             loop=asyncio.get_running_loop(),
             events=queue,
+            logprob_start_len=item.logprob_start_len if item.return_logprob else -1,
         )
         self.scheduler.submit(request)
         finished = False

@@ -36,6 +36,18 @@ class WorkItem:
     return_logprob: bool
     top_logprobs_num: int = 0
     """k most likely tokens per output position (`meta_info.output_top_logprobs`); 0 = none, no cost."""
+    logprob_start_len: int = -1
+    """First prompt position scored in `meta_info.input_token_logprobs`; -1 = none (only with `return_logprob`)."""
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """A scored prompt, SGLang's layout: one entry per token of `input_ids[logprob_start_len:]`."""
+
+    logprobs: list[float | None]
+    """The first is None (SGLang gives the first scored position no logprob); then each token's logprob."""
+    top: list[TopEntry | None]
+    """Per position, its `top_logprobs_num` most likely tokens (None first); empty when none were asked."""
 
 
 @dataclass
@@ -51,19 +63,25 @@ def expand(req: GenerateReqInput, limits: Limits, tokenizer: Any) -> list[WorkIt
     params = [_sampling(raw, i) for i, raw in enumerate(_per_prompt(req.sampling_params, count, "sampling_params", {}))]
     logprob_flags = _per_prompt(req.return_logprob, count, "return_logprob", False)
     tops = _per_prompt(req.top_logprobs_num, count, "top_logprobs_num", 0)
+    starts = _per_prompt(req.logprob_start_len, count, "logprob_start_len", -1)
     rids = _rids(req.rid, count)
     items: list[WorkItem] = []
-    for index, (prompt, sp, want_lp, top, rid) in enumerate(
-        zip(prompts, params, logprob_flags, tops, rids, strict=True)
+    for index, (prompt, sp, want_lp, top, start, rid) in enumerate(
+        zip(prompts, params, logprob_flags, tops, starts, rids, strict=True)
     ):
         _check_prompt(prompt, index, limits)
+        where = f" for prompt {index}" if count > 1 else ""
         if top and not want_lp:
-            where = f" for prompt {index}" if count > 1 else ""
             raise RequestError(f"top_logprobs_num={top}{where} needs return_logprob=true (top logprobs come with it)")
+        start = int(start) if want_lp else -1  # SGLang ignores logprob_start_len without return_logprob
+        if start > len(prompt):
+            raise RequestError(
+                f"logprob_start_len={start}{where} is past the prompt's {len(prompt)} tokens; use 0..{len(prompt)}"
+            )
         # Like SGLang: the completion is clipped to what fits in the context, not refused.
         max_new = min(sp.max_new_tokens, limits.max_context - len(prompt))
         rids_of = [rid] if sp.n == 1 else [f"{rid}_{j}" for j in range(sp.n)]
-        items.extend(WorkItem(r, prompt, sp, max_new, bool(want_lp), int(top)) for r in rids_of)
+        items.extend(WorkItem(r, prompt, sp, max_new, bool(want_lp), int(top), start) for r in rids_of)
     if req.stream and len(items) != 1:
         raise RequestError(f"stream=true needs one prompt with n=1; this request expands to {len(items)} completions")
     return items
@@ -152,8 +170,13 @@ def response(
     top_logprobs: list[TopEntry] | None = None,
     text_in_logprobs: bool = False,
     include_text: bool = True,
+    prompt_logprobs: PromptLogprobs | None = None,
 ) -> dict[str, Any]:
-    """SGLang's response object for one completion (cumulative: everything produced so far)."""
+    """SGLang's response object for one completion (cumulative: everything produced so far).
+
+    `prompt_logprobs`: the scored prompt (`item.logprob_start_len` >= 0), in `meta_info.input_token_logprobs`
+    (and `input_top_logprobs` with top logprobs); None before the engine has scored it.
+    """
     meta: dict[str, Any] = {
         "id": item.rid,
         "finish_reason": finish,
@@ -162,6 +185,17 @@ def response(
         "cached_tokens": 0,
         "weight_version": str(weight_version),
     }
+    if item.return_logprob and item.logprob_start_len >= 0 and prompt_logprobs is not None:
+        scored = item.input_ids[item.logprob_start_len :]
+        meta["input_token_logprobs"] = [
+            [lp, tok, tokenizer.decode([tok]) if text_in_logprobs else None]
+            for lp, tok in zip(prompt_logprobs.logprobs, scored, strict=True)
+        ]
+        if item.top_logprobs_num > 0:
+            meta["input_top_logprobs"] = [
+                None if entry is None else top_entries([entry], tokenizer, text_in_logprobs)[0]
+                for entry in prompt_logprobs.top
+            ]
     if item.return_logprob:
         meta["output_token_logprobs"] = [
             [lp, tok, tokenizer.decode([tok]) if text_in_logprobs else None]

@@ -14,6 +14,9 @@ Top logprobs (`top_logprobs_num` k > 0 on a row) are the k largest entries of th
 distribution (the one the row's token logprob is read from), most likely first; rows that ask for
 none cost nothing extra, and a batch where no row asks skips the top-k entirely.
 
+Prompt logprobs (`prompt_logprobs`, for `logprob_start_len` >= 0) are SGLang's input logprobs:
+`log_softmax(logits)` of the raw logits in fp32, never temperature-scaled, whatever the row samples with.
+
 top-p keeps a token when the probability mass *before* it (in descending order) is <= top_p,
 top-k keeps the k most likely, min-p keeps tokens with p >= min_p * p_max; the kept mass is
 sampled proportionally (SGLang's torch fallback does the same).
@@ -25,9 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.engine.server.requests import PromptLogprobs
 from pipeline.engine.tokens import TopEntry
 
 GREEDY_EPS = 1e-6
+PROMPT_CHUNK_ROWS = 256
+"""Prompt positions per fp32 log_softmax: bounds the extra memory to 256 x vocabulary floats."""
 
 
 @dataclass
@@ -139,3 +145,26 @@ def _truncate(sorted_probs: torch.Tensor, rows: list[RowSampling]) -> torch.Tens
     drop |= sorted_probs < (sorted_probs[:, :1] * min_p[:, None])
     drop[:, 0] = False  # the most likely token always survives
     return sorted_probs.masked_fill(drop, 0.0)
+
+
+def prompt_logprobs(logits: torch.Tensor, input_ids: list[int], start: int, top_k: int = 0) -> PromptLogprobs:
+    """SGLang's input logprobs of `input_ids[start:]` from `logits` [K, V], the logits of the prompt's last K
+    positions (K >= len(input_ids) - start). Position i > start gets `log_softmax(logits[i - 1])[input_ids[i]]`,
+    position `start` None (as SGLang); with `top_k`, each position's k most likely tokens too."""
+    n = len(input_ids)
+    if start >= n:
+        return PromptLogprobs([], [])
+    offset = n - logits.shape[0]  # the prompt position of logits row 0
+    if offset > start:
+        raise ValueError(f"logits cover positions {offset}..{n - 1}, not {start}")
+    targets = torch.tensor(input_ids[start + 1 :], device=logits.device)
+    values: list[float | None] = [None]
+    top: list[TopEntry | None] = [None] if top_k > 0 else []
+    for lo in range(start, n - 1, PROMPT_CHUNK_ROWS):
+        hi = min(lo + PROMPT_CHUNK_ROWS, n - 1)
+        logprobs = torch.log_softmax(logits[lo - offset : hi - offset].float(), dim=-1)
+        values += logprobs.gather(1, targets[lo - start : hi - start, None])[:, 0].tolist()
+        if top_k > 0:
+            vals, ids = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
+            top += [list(zip(v, t, strict=True)) for v, t in zip(vals.tolist(), ids.tolist(), strict=True)]
+    return PromptLogprobs(values, top)
