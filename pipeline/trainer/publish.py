@@ -4,8 +4,10 @@ One publication (`Publisher.publish`), with every server registered (routable or
 1. pause generation everywhere (mode `retract`: no token is generated from half-updated weights);
 2. move the tensors (`transports.py`: a disk reload, or a bucketed broadcast over a group, SGLang's
    protocol: begin -> buckets, the last carrying the version -> end);
-3. verify every server (`verify.py`: a probe's input log-probabilities and a sample of weights
-   against the trainer's own, through SGLang's API);
+3. verify every server while it is still paused (`verify.py`: a probe's input log-probabilities and
+   a sample of weights against the trainer's own, through SGLang's API; the probe generates nothing,
+   which arl's engines run while paused; a real SGLang server runs nothing while paused, so it is
+   resumed first and verified right after);
 4. a server that failed to update or verify is taken out: a request in `state/quarantine/` makes the
    inference stage deregister it, restart it from the newest checkpoint and register it again once
    it serves the announced version (docs/reliability.md); it stays paused until then, so it never
@@ -85,6 +87,8 @@ class PublishReport:
     verify_s: float = 0.0
     recovered: list[str] = field(default_factory=list)
     """Servers taken out during this publication (handed to the inference stage to recover)."""
+    reasons: dict[str, str] = field(default_factory=dict)
+    """Why each server taken out was (by URL)."""
     weights_checked: int = 0
     """Tensors read back from the servers and found equal (0 where no server can show its weights)."""
 
@@ -94,6 +98,12 @@ class _Member:
     name: str
     url: str
     started_at: float
+    backend: str = "hf"
+
+    @property
+    def scores_while_paused(self) -> bool:
+        """arl's engines run a prefill-only probe while generation is paused; SGLang's scheduler runs nothing."""
+        return self.backend != "sglang"
 
     @property
     def key(self) -> str:
@@ -146,7 +156,7 @@ class Publisher:
             if time.monotonic() > deadline:
                 raise ArlError(
                     f"version {version} verified on {len(verified)} server(s), {required} needed "
-                    f"(inference.min_servers); taken out: {report.recovered}; no server came back within "
+                    f"(inference.min_servers); taken out: {report.reasons}; no server came back within "
                     f"trainer.publish_timeout_s={self.timeout_s:.0f}s (see logs/inference/); version not announced"
                 )
             time.sleep(_POLL_S)
@@ -165,6 +175,10 @@ class Publisher:
         outcome = self.transport.send(version, live, checkpoint, buckets(sent, BUCKET_BYTES)) if live else Outcome()
         failed.update(outcome.failed)
         report.sync_s += time.perf_counter() - t0
+        # A real SGLang server scores nothing while paused: it resumes first and is verified right after
+        # (docs/reliability.md: the one window in which it may answer from unverified weights).
+        early = [m.url for m in pending if m.url in outcome.ok and not m.scores_while_paused]
+        self._resume(early, version)
         t1 = time.perf_counter()
         verdicts = self._verify(outcome.ok, expected)
         report.verify_s += time.perf_counter() - t1
@@ -177,11 +191,14 @@ class Publisher:
                 + "; ".join(bad.values()) + ". Nothing is announced; the servers stay paused until a trainer "
                 "publishes a verified version (a restarted trainer publishes the version it resumes from)"
             )  # fmt: skip
+        if bad:  # a server resumed early (SGLang) must stop answering from weights that failed
+            self.calls.each(list(bad), "POST", "/pause_generation", {"mode": "retract"})
         failed.update(bad)
         for member in pending:
             if member.url in failed:
                 self._take_out(member, version, failed[member.url])
                 report.recovered.append(member.name)
+                report.reasons[member.url] = failed[member.url]
             else:
                 verified[member.key] = member
 
@@ -217,7 +234,7 @@ class Publisher:
         """Every registered server not waiting to be taken out (routable or not: all get every version)."""
         queue = self.paths.quarantine
         quarantined = {p.stem for p in queue.glob("*.json")} if queue.is_dir() else set()
-        return [_Member(name, e.url, e.started_at) for name, e in read_entries(self.paths).items()
+        return [_Member(name, e.url, e.started_at, e.backend) for name, e in read_entries(self.paths).items()
                 if name not in quarantined]  # fmt: skip
 
     @property

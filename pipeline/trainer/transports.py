@@ -180,7 +180,7 @@ class BroadcastTransport:
         for _attempt in range(_ATTEMPTS):
             if not live:
                 break
-            blamed = self._session(version, live, parts)
+            blamed = self._session(version, live, parts)  # on a fault the group is torn down without the blamed
             if blamed is None:
                 outcome.ok = live
                 return outcome
@@ -201,18 +201,18 @@ class BroadcastTransport:
         self.calls.each(urls, "POST", "/end_weight_update", {})
         blamed = self.calls.failures(urls, "POST", "/begin_weight_update", {})
         if blamed:
-            self._teardown()
+            self._teardown(blamed)
             return blamed
         for i, bucket in enumerate(parts):
             if self.on_bucket is not None:
                 self.on_bucket(version, i)
             blamed = self._bucket(bucket, version if i == len(parts) - 1 else None, urls, f"{i + 1}/{len(parts)}")
             if blamed:
-                self._teardown()
+                self._teardown(blamed)
                 return blamed
         blamed = self.calls.failures(urls, "POST", "/end_weight_update", {})
         if blamed:
-            self._teardown()
+            self._teardown(blamed)
         return blamed or None
 
     def _setup(self, urls: list[str]) -> dict[str, str]:
@@ -247,7 +247,7 @@ class BroadcastTransport:
         self.group = _Group(name, list(urls), handle)
         blamed = {u: f"/init_weights_update_group: {r}" for u, r in answers.items() if isinstance(r, EngineError)}
         if blamed:
-            self._teardown()
+            self._teardown(blamed)
             return blamed
         log.info("weight broadcast group %s ready: %s world %d at %s:%d", name, self.backend, world, address, port)
         return {}
@@ -280,12 +280,14 @@ class BroadcastTransport:
         blamed = unreachable if sent_error is not None and unreachable else failed
         return blamed or {u: f"bucket {which}: rank 0's broadcast failed: {sent_error}" for u in urls}
 
-    def _teardown(self) -> None:
-        """Leave the group on every side (best effort: a dead server has nothing to free)."""
+    def _teardown(self, blamed: dict[str, str] | None = None) -> None:
+        """Leave the group on every side but the blamed servers' (dead or stalled: they are being taken out, and a
+        stalled one would hold the call until its deadline); the servers that leave drop what it staged."""
         if self.group is None:
             return
         group, self.group = self.group, None
-        failed = self.calls.failures(group.members, "POST", "/destroy_weights_update_group", {"group_name": group.name})
+        members = [u for u in group.members if u not in (blamed or {})]
+        failed = self.calls.failures(members, "POST", "/destroy_weights_update_group", {"group_name": group.name})
         for url, why in failed.items():
             log.warning("%s did not leave weight group %s: %s", url, group.name, why)
         destroy_weight_group(group.handle)

@@ -96,12 +96,15 @@ async def test_servers_register_serve_and_deregister(
     async with EngineClient(urls_from_registry(paths)) as client:
         result = await client.generate([5, 6, 7], {"max_new_tokens": 3, "ignore_eos": True})
     assert result.server in {e.url for e in entries.values()}
-    # A server that dies is logged and deregistered; the other keeps serving.
+    # A server that dies is logged, deregistered and restarted (the other keeps serving meanwhile).
     victim_name, victim = sorted(entries.items())[0]
     os.kill(victim.pid, signal.SIGKILL)
-    wait_for(lambda: victim_name not in read_entries(paths))
-    assert len(read_entries(paths)) == 1
-    assert f"inference server {victim_name}" in caplog.text and "exited with code -9" in caplog.text
+    wait_for(lambda: "exited with code -9" in caplog.text)
+    assert f"inference server {victim_name}" in caplog.text
+    wait_for(lambda: victim_name in read_entries(paths) and read_entries(paths)[victim_name].pid != victim.pid)
+    assert "restarting inference server" in caplog.text and read_entries(paths)[victim_name].routable
+    async with EngineClient([read_entries(paths)[victim_name].url]) as client:
+        await client.generate([5, 6, 7], {"max_new_tokens": 3, "ignore_eos": True})
     assert stage.finish() == 0
     assert read_entries(paths) == {}
 

@@ -7,6 +7,7 @@ running through it switches weights between two tokens, and a failed step leaves
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -21,10 +22,11 @@ import httpx
 import pytest
 import torch
 
-from pipeline.engine.client import EngineClient, EngineError
+from pipeline.engine.client import EngineClient
 from pipeline.engine.net import free_port
 from pipeline.engine.registry import write_entry
 from pipeline.engine.server.hf import ServerHandle, start_hf_server
+from pipeline.errors import ArlError
 from pipeline.handoff import read_json
 from pipeline.paths import RunPaths
 from pipeline.stage import StageContext
@@ -100,17 +102,34 @@ def test_gloo_broadcast_publication_from_trainer_process(make_train_run, server:
     assert sync["backend"] == "gloo" and sync["world_size"] == 2 and sync["group_name"].startswith("arl-weights-")
 
 
-def test_failing_server_is_named_and_version_not_announced(make_train_run, server: ServerHandle,
-                                                           tiny_model_dir: Path) -> None:  # fmt: skip
-    paths = make_train_run(steps=[0], overrides=[*OVERRIDES, "trainer.weight_sync=disk"])
+def test_a_dead_server_is_taken_out_and_the_version_waits_for_it(make_train_run, server: ServerHandle,
+                                                                  tiny_model_dir: Path) -> None:  # fmt: skip
+    """By default every server that took part must verify the version: a dead one is taken out (the inference
+    stage would restart it) and, when it does not come back within the deadline, nothing is announced."""
+    paths = make_train_run(steps=[0], overrides=[*OVERRIDES, "trainer.weight_sync=disk", "trainer.publish_timeout_s=3"])
     dead = f"http://127.0.0.1:{free_port()}"
     register(paths, "s0", server.url, tiny_model_dir)
     register(paths, "s1", dead, tiny_model_dir)
-    with pytest.raises(EngineError) as err:
+    with pytest.raises(ArlError) as err:
         run_trainer(StageContext.from_run_dir("train", paths.root))
-    assert dead in str(err.value) and server.url not in (err.value.server or "")
+    assert "verified on 1 server(s), 2 needed" in str(err.value) and dead in str(err.value)
     assert not paths.weight_version.exists()
-    assert paths.checkpoint_marker(1).exists()  # the checkpoint stays: a restart re-publishes it
+    assert read_json(paths.quarantine_entry("s1"))["url"] == dead
+    assert not paths.quarantine_entry("s0").exists()
+    assert httpx.get(server.url + "/server_info").json()["paused"] is not None  # never resumed on its own
+
+
+def test_with_min_servers_the_live_servers_go_on(make_train_run, server: ServerHandle, tiny_model_dir: Path) -> None:
+    paths = make_train_run(steps=[0], overrides=[*OVERRIDES, "trainer.weight_sync=disk", "inference.min_servers=1"])
+    dead = f"http://127.0.0.1:{free_port()}"
+    register(paths, "s0", server.url, tiny_model_dir)
+    register(paths, "s1", dead, tiny_model_dir)
+    assert run_trainer(StageContext.from_run_dir("train", paths.root)) == 0
+    assert read_json(paths.weight_version)["version"] == 1
+    assert read_json(paths.quarantine_entry("s1"))["reason"].startswith(dead)
+    rows = [json.loads(line) for line in paths.train_metrics.read_text().splitlines()]
+    assert rows[-1]["servers_recovered"] == 1 and rows[-1]["verify_s"] > 0
+    check_served_equals_checkpoint(paths, server.url, tiny_model_dir)
 
 
 def test_buckets_keep_order_and_size() -> None:
@@ -149,12 +168,10 @@ def _healthy(url: str) -> bool:
 
 
 def broadcast_publisher(tmp_path: Path, url: str, model: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    # A group name of its own: an in-process server of another test may still hold "arl-weights" in torch's
-    # process-wide registry of group names.
-    monkeypatch.setattr(publish, "GROUP_NAME", f"arl-weights-{tmp_path.name}")
     paths = RunPaths.from_config(str(tmp_path), "publish", "broadcast")
     register(paths, "s0", url, model)
-    return publish.make_publisher("nccl", paths, timeout_s=60, tied_embeddings=True)
+    options = publish.PublishOptions(verify_model=model, broadcast_timeout_s=60)
+    return publish.make_publisher("nccl", paths, timeout_s=60, tied_embeddings=True, options=options)
 
 
 def other_weights(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
@@ -193,7 +210,7 @@ def test_broadcast_swaps_weights_between_two_tokens_of_a_running_completion(
         while len(chunks) < 3:
             assert time.monotonic() < deadline and stream.is_alive(), "the completion did not start"
             time.sleep(0.01)
-        assert publisher.publish(1, None, state) == [server_process]
+        assert publisher.publish(1, None, state).servers == [server_process]
     finally:
         publisher.close()
         stream.join(timeout=120)
@@ -212,25 +229,22 @@ def test_broadcast_swaps_weights_between_two_tokens_of_a_running_completion(
 
 
 @pytest.mark.slow
-def test_a_failed_broadcast_step_is_named_and_leaves_no_server_paused(
+def test_a_session_and_pause_left_by_a_dead_trainer_are_ended_by_the_next_publication(
     server_process: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A session left open (a trainer that died mid-update) makes /begin_weight_update fail: the error names
-    the step and the server, the publisher still ends the session and continues generation, and the next
-    publication goes through."""
+    """A trainer that died mid-update leaves its session open and generation paused: the next publication
+    closes the session, sends and verifies the version, and only then resumes generation."""
     _, state = other_weights(tmp_path)
     publisher = broadcast_publisher(tmp_path, server_process, tiny_model_dir, monkeypatch)
     try:
+        assert httpx.post(server_process + "/pause_generation", json={"mode": "retract"}).status_code == 200
         assert httpx.post(server_process + "/begin_weight_update", json={}).status_code == 200
-        with pytest.raises(EngineError) as failed:
-            publisher.publish(1, None, state)
-        assert "/begin_weight_update" in str(failed.value) and failed.value.server == server_process
+        report = publisher.publish(1, None, state)
+        assert report.servers == [server_process] and report.recovered == [] and report.verify_s > 0
         info = httpx.get(server_process + "/server_info").json()
-        assert info["paused"] is None and info["weight_version"] == "0"
-        assert publisher.publish(1, None, state) == [server_process]
+        assert info["paused"] is None and info["weight_version"] == "1"
     finally:
         publisher.close()
-    assert httpx.get(server_process + "/model_info").json()["weight_version"] == "1"
 
 
 def test_a_restarted_trainer_joins_a_new_group_and_close_makes_the_servers_leave(
@@ -243,12 +257,12 @@ def test_a_restarted_trainer_joins_a_new_group_and_close_makes_the_servers_leave
 
     _, state = other_weights(tmp_path)
     crashed = broadcast_publisher(tmp_path, server_process, tiny_model_dir, monkeypatch)
-    assert crashed.publish(1, None, state) == [server_process]
-    destroy_weight_group(crashed.group)  # what the trainer's death frees on its own side, and nothing more
-    crashed.owner.close()
+    assert crashed.publish(1, None, state).servers == [server_process]
+    destroy_weight_group(crashed.transport.group.handle)  # what the trainer's death frees on its own side only
+    crashed.calls.close()
     restarted = broadcast_publisher(tmp_path, server_process, tiny_model_dir, monkeypatch)
     try:
-        assert restarted.publish(2, None, state) == [server_process]
+        assert restarted.publish(2, None, state).servers == [server_process]
         assert restarted.group_name != crashed.group_name
     finally:
         restarted.close()

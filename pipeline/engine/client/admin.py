@@ -179,10 +179,10 @@ class AdminCalls(abc.ABC):
 
     async def score_prompt(self, url: str, input_ids: list[int]) -> list[Any]:
         """SGLang's `meta_info.input_token_logprobs` of `input_ids` on one server: [logprob, id, text] per
-        position, the first logprob null (nothing precedes it). One greedy token is generated (every
-        engine needs at least one); only the prompt's log-probabilities are used."""
+        position, the first logprob null (nothing precedes it). `max_new_tokens: 0`: nothing is generated,
+        so arl's engines run it while generation is paused (a check before any request sees new weights)."""
         body = {"input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": 0,
-                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}  # fmt: skip
+                "sampling_params": {"max_new_tokens": 0, "temperature": 0.0}}  # fmt: skip
         answer = await self._admin(url, "POST", "/generate", body)
         scored = (answer.get("meta_info") or {}).get("input_token_logprobs")
         if not isinstance(scored, list):
