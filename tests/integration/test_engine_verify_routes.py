@@ -121,6 +121,19 @@ def test_scoring_beside_a_running_completion_and_without_generating(server: Serv
     assert len(finished["output_ids"]) == 300
 
 
+def test_a_stream_carries_the_scored_prompt_in_every_event(server: ServerHandle, reference: Any) -> None:
+    body = {"input_ids": PROBE, "return_logprob": True, "logprob_start_len": 0, "stream": True,
+            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}  # fmt: skip
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as answer:
+        events = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: {")]
+    assert len(events) == 4
+    expected = forward_logprobs(reference, PROBE)
+    for event in events:
+        scored = event["meta_info"]["input_token_logprobs"]
+        assert [e[1] for e in scored] == PROBE and scored[0][0] is None
+        assert max(abs(e[0] - w) for e, w in zip(scored[1:], expected, strict=True)) < 1e-4
+
+
 def test_prompt_top_logprobs_and_the_bounds_of_logprob_start_len(server: ServerHandle, reference: Any) -> None:
     meta = score(server.url, PROBE[:8], top_logprobs_num=3)
     top = meta["input_top_logprobs"]
