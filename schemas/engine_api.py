@@ -37,6 +37,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_TOP_LOGPROBS = 20
+VERIFY_RID_PREFIX = "arl-verify-"
+"""`rid` prefix of the trainer's verification probe (prompt scoring, `max_new_tokens` 0): arl's engines run
+such a request while generation is paused, so a new version is checked before any request sees it."""
 """Upper bound of `top_logprobs_num` (OpenAI's `top_logprobs` bound; the cost grows with it)."""
 TopLogprobsNum = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 LogprobStart = Annotated[int, Field(ge=-1)]
@@ -271,3 +274,7 @@ class InferenceEntry(BaseModel):
     started_at: float
     """Epoch seconds."""
     tp_size: int = Field(default=1, ge=1)
+    routable: bool = True
+    """False while a restarted server holds an older version than the announced one: the trainer's next
+    publication brings it up to date (it takes part in weight swaps) but no request is routed to it; the
+    inference stage sets it True once the server verified the announced version."""

@@ -181,7 +181,7 @@ class Trainer:
         t0 = time.perf_counter()
         if self.publisher is not None:
             report = self.publisher.publish(version, checkpoint, self._state_dict)
-            write_weight_version(self.paths, version, checkpoint)
+            write_weight_version(self.paths, version, checkpoint if version > 0 else None)  # 0: the initial model
             servers = report.servers
             log.info("version %d published to %d server(s)%s", version, len(servers), f": {servers}" if servers else "")
             timings.weight_sync_s, timings.verify_s = report.sync_s, report.verify_s

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import socket
 import threading
@@ -170,6 +171,9 @@ class BroadcastTransport:
         self.on_bucket = on_bucket
         """Called with (version, bucket index) before each bucket is sent: a seam for fault-injection tests."""
         self.group: _Group | None = None
+        self.stale = _previous_group(paths)
+        """The group of the trainer that ran before this one: left first, which makes a server drop what it
+        staged from a broadcast that trainer never finished (an `/end_weight_update` would apply it)."""
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
 
@@ -197,6 +201,9 @@ class BroadcastTransport:
             blamed = self._setup(urls)
             if blamed:
                 return blamed
+        if self.stale:
+            self.calls.each(urls, "POST", "/destroy_weights_update_group", {"group_name": self.stale})
+            self.stale = None
         # A session left open by a trainer that died mid-update would refuse our begin: close it first.
         self.calls.each(urls, "POST", "/end_weight_update", {})
         blamed = self.calls.failures(urls, "POST", "/begin_weight_update", {})
@@ -298,6 +305,14 @@ class BroadcastTransport:
 
     def close(self) -> None:
         self._teardown()
+
+
+def _previous_group(paths: RunPaths) -> str | None:
+    try:
+        record = json.loads(paths.weight_sync.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return str(record.get("group_name") or "") or None
 
 
 def _is_loopback(url: str) -> bool:

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from test_inference_stage import StageThread, make_run, wait_for  # this directory is on sys.path (pytest)
 
 from pipeline.engine.registry import read_entries, urls_from_registry
 from pipeline.errors import ArlError
@@ -33,7 +34,6 @@ from pipeline.paths import RunPaths
 from pipeline.trainer import publish
 from pipeline.trainer.verify import ProbeModel
 from schemas.config import ArlConfig
-from tests.integration.test_inference_stage import StageThread, make_run, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 HAMMER_PROMPT = [7, 21, 33, 45, 52, 61, 70, 88, 90, 101, 115, 130]
@@ -138,8 +138,11 @@ def stack(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch)
 
 
 def kill_at_bucket(pid: int, sig: signal.Signals, bucket: int = 1) -> Any:
+    fired: list[int] = []
+
     def hook(version: int, index: int) -> None:
-        if index == bucket and version == 1:
+        if index == bucket and version == 1 and not fired:  # once: the resend to the others goes through
+            fired.append(pid)
             os.kill(pid, sig)
 
     return hook

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
 import aiohttp
 
 from pipeline.engine.client.wire import EngineError, json_or_text, parse_weight_version, raise_for_status
+from schemas.engine_api import VERIFY_RID_PREFIX
 
 _ADMIN_TIMEOUT_S = 600.0  # weight loads can be slow on a big model
 _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, ConnectionError)
@@ -179,9 +181,10 @@ class AdminCalls(abc.ABC):
 
     async def score_prompt(self, url: str, input_ids: list[int]) -> list[Any]:
         """SGLang's `meta_info.input_token_logprobs` of `input_ids` on one server: [logprob, id, text] per
-        position, the first logprob null (nothing precedes it). `max_new_tokens: 0`: nothing is generated,
-        so arl's engines run it while generation is paused (a check before any request sees new weights)."""
+        position, the first logprob null (nothing precedes it). Nothing is generated (`max_new_tokens: 0`)
+        and the `rid` marks it as the trainer's probe: arl's engines run it while generation is paused."""
         body = {"input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": 0,
+                "rid": f"{VERIFY_RID_PREFIX}{uuid.uuid4().hex}",
                 "sampling_params": {"max_new_tokens": 0, "temperature": 0.0}}  # fmt: skip
         answer = await self._admin(url, "POST", "/generate", body)
         scored = (answer.get("meta_info") or {}).get("input_token_logprobs")

@@ -16,7 +16,9 @@ until the requests in flight have finished (new requests queue meanwhile), unles
 paused (`/pause_generation`), in which case it applies at once and the paused requests continue
 with the new weights after `/continue_generation` (mode `in_place` keeps their KV cache from the
 old weights; mode `retract` recomputes it from the tokens under the new weights).
-`abort_all_requests` aborts the requests in flight instead of waiting for them.
+`abort_all_requests` aborts the requests in flight instead of waiting for them. While paused only the
+trainer's verification probes run (`rid` prefix `VERIFY_RID_PREFIX`, prompt scoring with nothing to
+generate): a new version is checked before any request is served from it.
 
 Why a thread and not the event loop: a forward pass blocks for milliseconds to seconds; on the
 event loop it would stall every HTTP request, health check and stream of the server.
@@ -40,6 +42,7 @@ from pipeline.engine.server.kvbatch import KVBatch, cache_tensors, dynamic_cache
 from pipeline.engine.server.requests import PromptLogprobs
 from pipeline.engine.server.sampling import RowSampling, prompt_logprobs, sample_batch
 from pipeline.engine.tokens import TopEntry
+from schemas.engine_api import VERIFY_RID_PREFIX
 
 log = logging.getLogger("arl.engine.batcher")
 
@@ -204,6 +207,8 @@ class Scheduler:
         worked |= self._maybe_update()
         if self.paused is None and not self._updates:
             worked |= self._admit()
+        elif not self._updates:
+            worked |= self._admit_probes()
         if self._running and self.paused is None:
             self._guarded(self._decode_step)
             worked = True
@@ -256,6 +261,18 @@ class Scheduler:
             keep = len(seq.req.input_ids) - seq.req.logprob_start_len
             self._guarded(lambda: self._prefill([seq], keep=keep), [seq])  # noqa: B023 (called at once)
         return bool(plain or scoring)
+
+    def _admit_probes(self) -> bool:
+        """While paused: run the trainer's verification probes (they generate nothing, so no request sees
+        weights before the trainer has checked them); everything else keeps waiting."""
+        with self._lock:
+            probes = [s for s in self._waiting if s.finish is None and _is_probe(s)]
+            for seq in probes:
+                self._waiting.remove(seq)
+        for seq in probes:
+            keep = len(seq.req.input_ids) - seq.req.logprob_start_len
+            self._guarded(lambda: self._prefill([seq], keep=keep), [seq])  # noqa: B023 (called at once)
+        return bool(probes)
 
     def _prefill(self, fresh: list[_Seq], keep: int = 1) -> None:
         """Prefill `fresh` and sample their first tokens; `keep` > 1 (one sequence): score its prompt too."""
@@ -402,6 +419,10 @@ class Scheduler:
         for _, future in commands:
             future.set_exception(RuntimeError(message))
         self._flush()
+
+
+def _is_probe(seq: _Seq) -> bool:
+    return seq.req.rid.startswith(VERIFY_RID_PREFIX) and seq.req.max_new_tokens == 0 and _wants_prompt_scored(seq)
 
 
 def _wants_prompt_scored(seq: _Seq) -> bool:

@@ -149,7 +149,9 @@ class WeightUpdates:
         if group is None:
             raise RequestError(f"no weight update group {group_name!r}")
         destroy_weight_group(group)
-        return f"destroyed {group_name}"
+        # A group left before its version's last bucket (a trainer that gave up on it) leaves nothing behind.
+        dropped = self._discard(f"group {group_name!r} was destroyed before its version arrived")
+        return f"destroyed {group_name}{_dropped_note(dropped)}"
 
     async def weights_by_name(self, name: str, truncate_size: int) -> list[Any]:
         params = dict(self.model.named_parameters(remove_duplicate=False))  # a tied lm_head.weight is listed

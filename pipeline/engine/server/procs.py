@@ -53,7 +53,9 @@ def hf_command(config: ArlConfig, host: str, port: int, model_path: str, version
     argv = [sys.executable, "-m", "pipeline.engine.server.hf", "--model-path", model_path, "--host", host,
             "--port", str(port), "--device", inf.device, "--dtype", config.model.dtype,
             "--max-batch-size", str(inf.max_batch_size), "--max-context", str(config.model.max_context),
-            "--weight-version", str(version)]  # fmt: skip
+            "--weight-version", str(version),
+            # A trainer that dies or stalls mid-broadcast ends the receive within its own broadcast deadline.
+            "--weight-group-timeout-s", str(config.trainer.broadcast_timeout_s)]  # fmt: skip
     if config.model.tokenizer:
         argv += ["--tokenizer-path", config.model.tokenizer]
     return argv + list(inf.extra_args)
