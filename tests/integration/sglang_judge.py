@@ -7,33 +7,47 @@ Runs inside the SGLang venv (`scripts/sglang_venv.sh`); arl never imports it. Th
     python sglang_judge.py routes                          SGLang's route table, as JSON
     python sglang_judge.py parse-args -- ARGV...           a `sglang.launch_server` command line through
                                                            SGLang's own parser and checks, as JSON
-    python sglang_judge.py serve --record FILE -- ARGV...  SGLang's server for that command line
+    python sglang_judge.py serve --record FILE [--corrupt VERSION:NAME:DELTA] -- ARGV...
+                                                           SGLang's server for that command line
 
 `serve` runs `sglang.srt.entrypoints.http_server.launch_server`, SGLang's own launch path, unchanged
 except for the scheduler process it is handed (SGLang takes it as a parameter). So these are SGLang's
 own code, as a real server runs them: the command-line parser and its checks; the FastAPI app, every
 route, its request validation and error answers; the TokenizerManager (`normalize_batch_and_arguments`,
 tokenisation, `SamplingParams.verify`/`normalize`, the pause condition, the weight-update locks and
-their dp-size asserts, the version bookkeeping, and the building of every `/generate` answer: meta_info,
-logprob conversion, cumulative or incremental streams); the DetokenizerManager process (incremental
-detokenisation, stop-string and stop-token trimming); and, inside the stand-in, SGLang's `Req` (its
-finish rules: stop strings, stop tokens, EOS, max_new_tokens), its output streamer (what a scheduler
-sends per step), its weight-update manager (the begin/end session rule, the flush after an update, the
-version record) and its model-runner `WeightUpdater` (group join, receive by broadcast).
+their dp-size asserts, the version bookkeeping, its communicators, and the building of every `/generate`
+answer: meta_info, logprob conversion, cumulative or incremental streams); the DetokenizerManager process
+(incremental detokenisation, stop-string and stop-token trimming); and, inside the stand-in, SGLang's `Req`
+(its finish rules: stop strings, stop tokens, EOS, max_new_tokens), its logprob result processor (which
+prompt positions get a logprob, the null first one, the ids clipped at vocab_size - 1, the last position
+dropped), its output streamer (what a scheduler sends per step), its weight-update manager (the begin/end
+session rule, the flush after an update, the version record, `get_weights_by_name`), the TP worker's
+`get_weights_by_name`, and its model runner's `WeightUpdater` (group join, receive by broadcast) and
+`WeightExporter` (`/get_weights_by_name`: None, so a 400, for a model class without the method); SGLang's
+model registry picks that class from the checkpoint's architecture.
 
-The stand-in (`StandInScheduler`) replaces the model and the batch bookkeeping only. The next token is
+The model is the checkpoint itself, run with transformers on CPU in `--dtype` (`sglang_judge_model.py`
+says how it stands in for SGLang's model class): a prompt's log-probabilities, where a request asks for
+them (`logprob_start_len`), are the model's own, computed at the request's first step (its prefill) and
+handed to SGLang's logprob processor as SGLang's prefill hands them; every tensor SGLang's `WeightUpdater`
+receives, and every tensor of a disk load (read with SGLang's safetensors iterator), is copied into it.
+`--corrupt VERSION:NAME:DELTA` adds DELTA to parameter NAME once version VERSION is loaded (a server whose
+weights went wrong), recorded as `Corrupted`.
+
+The stand-in (`StandInScheduler`) replaces the batch bookkeeping and the sampler only. The next token is
 a deterministic function of the prompt, `sampling_seed` and position (letters A-Z, so text round-trips),
 with made-up logprobs (the sampled token first among its top logprobs); one decode step every 5 ms.
-Modelled on SGLang's scheduler rather than run from it: pause (`in_place` holds the running batch,
-`retract` moves it to the waiting queue and counts a retraction; continue resumes both), abort (a queued
-request is answered at once with SGLang's `_make_abort_req`, a running one ends at its next step with
-SGLang's `FINISH_ABORT`), the flush rule (SGLang's `Scheduler.flush_cache`: only when idle, the waiting
-queue ignored while paused, evaluated on the stand-in's batch and queue), `/server_info`'s internal
-state (the server args plus two placeholder numbers), the ready report (`max_req_input_len` = context
-- 1), a disk load (only checks that the directory has a config.json) and the begin/end hooks of
-in-place-quantised weights (there are none). Every request object SGLang's code hands the scheduler,
-and every set of tensors SGLang's `WeightUpdater` hands the model to load (`Loaded`: names, dtypes,
-shapes, sums), is appended to the record file, one JSON object a line.
+Modelled on SGLang's scheduler rather than run from it: the request's logprob start
+(`Scheduler._handle_generate_request`'s rule), pause (`in_place` holds the running batch, `retract` moves
+it to the waiting queue and counts a retraction; continue resumes both), abort (a queued request is
+answered at once with SGLang's `_make_abort_req`, a running one ends at its next step with SGLang's
+`FINISH_ABORT`), the flush rule (SGLang's `Scheduler.flush_cache`: only when idle, the waiting queue
+ignored while paused, evaluated on the stand-in's batch and queue), `/server_info`'s internal state (the
+server args plus two placeholder numbers), the ready report (`max_req_input_len` = context - 1), a disk
+load (SGLang's own needs its model runner's context) and the begin/end hooks of in-place-quantised weights
+(there are none). Every request object SGLang's code hands the scheduler, and every set of tensors SGLang's
+`WeightUpdater` hands the model to load (`Loaded`: names, dtypes, shapes, sums, and the names the model has
+no tensor for), is appended to the record file, one JSON object a line.
 """
 
 from __future__ import annotations
@@ -50,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 RECORD_ENV = "ARL_SGLANG_JUDGE_RECORD"
+CORRUPT_ENV = "ARL_SGLANG_JUDGE_CORRUPT"
 STEP_S = 0.005  # one decode step of the stand-in: a stream gets one event per token
 
 
@@ -58,6 +73,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("mode", choices=["routes", "parse-args", "serve"])
     parser.add_argument("--record", type=Path, help="serve: append every request SGLang's code produced here")
+    parser.add_argument("--corrupt", metavar="VERSION:NAME:DELTA",
+                        help="serve: once weight version VERSION is loaded, add DELTA to parameter NAME")  # fmt: skip
     args = parser.parse_args(own)
     if args.mode == "routes":
         print(json.dumps(route_table()))
@@ -66,6 +83,9 @@ def main(argv: list[str]) -> int:
     else:
         if args.record is None:
             parser.error("serve needs --record FILE")
+        if args.corrupt is not None:
+            version, name, delta = args.corrupt.split(":")
+            os.environ[CORRUPT_ENV] = json.dumps([version, name, float(delta)])
         serve(sglang_argv, args.record)
     return 0
 
@@ -178,10 +198,14 @@ class StandInScheduler:
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
         from sglang.srt.utils.hf_transformers_utils import get_tokenizer
         from sglang.srt.utils.network import get_zmq_socket
+        from sglang_judge_model import StandInModel
 
         self.server_args = server_args
         self.record_path = record
         self.model_config = ModelConfig.from_server_args(server_args)
+        self.model = StandInModel(server_args.model_path, self.model_config.dtype, self.record)
+        if os.environ.get(CORRUPT_ENV):
+            self.model.corruption = tuple(json.loads(os.environ[CORRUPT_ENV]))  # type: ignore[assignment]
         self.tokenizer = get_tokenizer(get_serving().tokenizer_path)
         context = zmq.Context(2)
         self.recv_from_tokenizer = get_zmq_socket(context, zmq.PULL, port_args.scheduler_input_ipc_name, False)
@@ -252,6 +276,7 @@ class StandInScheduler:
             io.EndWeightUpdateReqInput: self.weight_updater.end_weight_update,
             io.UpdateWeightsFromDistributedReqInput: self.weight_updater.update_weights_from_distributed,
             io.UpdateWeightVersionReqInput: self.update_weight_version,
+            io.GetWeightsByNameReqInput: self.weight_updater.get_weights_by_name,
         }
         handler = handlers.get(type(request))
         if handler is None:  # requests arl never sends (profiling, LoRA, sessions, ...): no answer comes
@@ -272,7 +297,6 @@ class StandInScheduler:
     def add_request(self, recv: Any) -> None:
         """`Scheduler._handle_generate_request` for a plain request: SGLang's `Req`, as the scheduler builds it."""
         from sglang.srt.managers.schedule_batch import Req
-        from sglang.srt.managers.scheduler_components.logprob_result_processor import SchedulerLogprobResultProcessor
 
         req = Req(recv.rid, recv.input_text, recv.input_ids, recv.sampling_params,
                   return_logprob=recv.return_logprob, top_logprobs_num=recv.top_logprobs_num,
@@ -280,8 +304,20 @@ class StandInScheduler:
                   eos_token_ids=self.model_config.hf_eos_token_id, vocab_size=self.model_config.vocab_size,
                   http_worker_ipc=recv.http_worker_ipc, time_stats=recv.time_stats)  # fmt: skip
         req.tokenizer = self.tokenizer
-        if req.return_logprob:  # a prompt's logprobs are not asked for by default (logprob_start_len -1)
-            SchedulerLogprobResultProcessor._initialize_empty_logprob_containers(None, req)  # type: ignore[arg-type]
+        # `Scheduler._handle_generate_request`'s rule: without a start, a request asking for logprobs gets its
+        # output tokens' only (the prompt's start where the prompt ends)
+        if not recv.return_logprob:
+            req.logprob_start_len = -1
+        elif recv.logprob_start_len == -1:
+            req.logprob_start_len = len(req.origin_input_ids) if recv.token_ids_logprob is None else -1
+        else:
+            req.logprob_start_len = recv.logprob_start_len
+        if req.logprob_start_len > len(req.origin_input_ids):
+            error = (f"{req.logprob_start_len=} is higher than the number of input tokens "
+                     f"{len(req.origin_input_ids)=}. Please use a smaller logprob_start_len.")  # fmt: skip
+            req.logprob_start_len = -1
+            req.set_finish_with_abort(error)
+        if req.return_logprob:  # what SGLang's scheduler sets up for a new request's output logprobs
             for name in ("output_token_logprobs_val", "output_token_logprobs_idx", "output_top_logprobs_val",
                          "output_top_logprobs_idx", "output_token_ids_logprobs_val",
                          "output_token_ids_logprobs_idx"):  # fmt: skip
@@ -306,7 +342,8 @@ class StandInScheduler:
         self.running = [req for req in self.running if not req.finished()]
 
     def sample(self, req: Any) -> None:
-        """The stand-in model: a deterministic letter token with made-up logprobs."""
+        """The stand-in sampler: a deterministic letter token with made-up logprobs. The first step is the
+        prefill: the prompt's logprobs, where asked for, are the model's (`prefill_logprobs`)."""
         seed = req.sampling_params.sampling_seed
         position = len(req.output_ids)
         rng = random.Random(f"{list(req.origin_input_ids)}|{seed}|{position}")
@@ -314,13 +351,49 @@ class StandInScheduler:
         token = candidates[0]
         logprob = -0.25 - 0.01 * position
         req.output_ids.append(token)
-        if req.return_logprob:
+        if req.return_logprob and position == 0:
+            self.prefill_logprobs(req, token, logprob, candidates)
+        elif req.return_logprob:
             req.logprob.output_token_logprobs_val.append(logprob)
             req.logprob.output_token_logprobs_idx.append(token)
             k = req.logprob.top_logprobs_num
             if k > 0:
                 req.logprob.output_top_logprobs_val.append([logprob - 0.5 * j for j in range(k)])
                 req.logprob.output_top_logprobs_idx.append(candidates[:k])
+
+    def prefill_logprobs(self, req: Any, token: int, logprob: float, candidates: list[int]) -> None:
+        """What SGLang's prefill hands its logprob processor: the extend's logprob start
+        (`compute_extend_logprob_start_len`, no cached prefix), the token each position's logprob is for (the
+        next prompt token, 0 past the end: `ScheduleBatch.prepare_for_extend`), their log-probabilities (here the
+        real model's) and the sampled token's; SGLang's `SchedulerLogprobResultProcessor` then fills the request
+        (the None for the first prompt token, the last position dropped) as its prefill result processing does."""
+        import torch
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+        from sglang.srt.managers.schedule_batch import compute_extend_logprob_start_len
+        from sglang.srt.managers.scheduler_components.logprob_result_processor import SchedulerLogprobResultProcessor
+
+        processor = SchedulerLogprobResultProcessor(model_config=self.model_config)
+        ids, n = list(req.origin_input_ids), len(req.origin_input_ids)
+        start = compute_extend_logprob_start_len(logprob_start_len=req.logprob_start_len, prefix_len=0,
+                                                 extend_len=n, full_untruncated_fill_len=n)  # fmt: skip
+        count = processor.calculate_num_input_logprobs(req, n, start)
+        k = req.logprob.top_logprobs_num
+        input_logprobs, top_val, top_idx = None, None, None
+        if count > 0:
+            logprob_ids = [*ids[start + 1 : n + 1], 0][:count]
+            rows = self.model.prompt_logprobs(ids, start, count)
+            logprob_ids = [min(max(i, 0), rows.shape[1] - 1) for i in logprob_ids]
+            input_logprobs = tuple(rows.gather(1, torch.tensor(logprob_ids).unsqueeze(1)).squeeze(1).tolist())
+            if k > 0:
+                top = rows.topk(k, dim=-1)
+                top_val, top_idx = [top.values.tolist()], [top.indices.tolist()]
+        output = LogitsProcessorOutput(
+            next_token_logits=None, next_token_logprobs=[logprob], input_token_logprobs=input_logprobs,
+            next_token_top_logprobs_val=[[logprob - 0.5 * j for j in range(k)]] if k > 0 else None,
+            next_token_top_logprobs_idx=[candidates[:k]] if k > 0 else None,
+            input_top_logprobs_val=top_val, input_top_logprobs_idx=top_idx,
+        )  # fmt: skip
+        processor.add_logprob_return_values(0, req, 0, [token], count, output)
 
     def abort(self, recv: Any) -> None:
         """SGLang's `Scheduler.abort_request`: a queued request is answered at once, a running one ends with
@@ -381,6 +454,7 @@ class StandInScheduler:
         from sglang.srt.managers.scheduler import Scheduler
 
         Scheduler.record_weight_version_change(self, new_version)  # type: ignore[arg-type]
+        self.model.corrupt_at(new_version)
 
     def collect_inflight_reqs(self) -> set[Any]:
         return set(self.running)
@@ -429,13 +503,6 @@ def _plain(value: Any) -> Any:
         return repr(value)
 
 
-class _Loaded:
-    """Record entry: the tensors SGLang's `WeightUpdater` handed the model to load."""
-
-    def __init__(self, **fields: Any) -> None:
-        self.__dict__.update(fields)
-
-
 class _Sender:
     """What SGLang's output streamer sends through (`send_output(payload)`)."""
 
@@ -454,10 +521,12 @@ def _weight_update_manager(scheduler: StandInScheduler) -> Any:
 
     import torch.distributed as dist
     from sglang.srt.managers.scheduler_components import weight_updater as module
+    from sglang.srt.managers.tp_worker import TpModelWorker
 
-    runner = _standin_runner(scheduler.record)
+    runner = _standin_runner(scheduler)
     worker = types.SimpleNamespace(
         model_runner=runner,
+        get_weights_by_name=lambda req: TpModelWorker.get_weights_by_name(worker, req),  # type: ignore[arg-type]
         weight_update_runners=lambda: [("target", runner)],
         init_weights_update_group=lambda req: runner.weight_updater.init_weights_update_group(
             req.master_address, req.master_port, req.rank_offset, req.world_size, req.group_name, req.backend),
@@ -474,29 +543,29 @@ def _weight_update_manager(scheduler: StandInScheduler) -> Any:
         module.get_parallel = real_get_parallel
 
 
-def _standin_runner(record: Any) -> Any:
-    """A model runner whose model records what it is asked to load; its `WeightUpdater` is SGLang's."""
+def _standin_runner(scheduler: StandInScheduler) -> Any:
+    """A model runner over the stand-in model; its `WeightUpdater` and `WeightExporter` are SGLang's."""
+    import functools
     import types
 
-    import torch
+    from sglang.srt.model_executor.model_runner_components.weight_exporter import WeightExporter
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
-
-    class RecordingModel(torch.nn.Module):
-        def load_weights(self, weights: Any) -> None:
-            """Record what SGLang's receive produced: names, dtypes, shapes and each tensor's float64 sum."""
-            weights = list(weights)
-            record(_Loaded(names=[name for name, _ in weights],
-                           dtypes=[str(t.dtype).removeprefix("torch.") for _, t in weights],
-                           shapes=[list(t.shape) for _, t in weights],
-                           sums=[float(t.double().sum()) for _, t in weights]))  # fmt: skip
+    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
+    from sglang_judge_model import sglang_view
 
     class StandInWeightUpdater(WeightUpdater):
-        """SGLang's WeightUpdater; only a disk load (which would read a checkpoint into a real model) and the
-        session hooks of in-place-quantised weights (none here) are stood in for."""
+        """SGLang's WeightUpdater; only a disk load and the session hooks of in-place-quantised weights (none
+        here) are stood in for. A disk load reads the directory's safetensors with SGLang's iterator into the
+        model (SGLang's own path needs its model runner's context)."""
 
         def update_weights_from_disk(self, model_path: str, load_format: Any, recapture_cuda_graph: bool = False):
-            if not (Path(model_path) / "config.json").is_file():
-                return False, f"Failed to get weights iterator: {model_path} has no config.json"
+            files = sorted(str(f) for f in Path(model_path).glob("*.safetensors"))
+            if not (Path(model_path) / "config.json").is_file() or not files:
+                return False, f"Failed to get weights iterator: {model_path} has no config.json and safetensors."
+            try:
+                self.get_model().load_weights(safetensors_weights_iterator(files))
+            except Exception as e:
+                return False, f"Failed to update weights: {e}."
             return True, "Succeeded to update model weights."
 
         def begin_weight_update(self) -> None:
@@ -505,12 +574,16 @@ def _standin_runner(record: Any) -> Any:
         def end_weight_update(self, *, run_post_load: bool) -> None:
             pass
 
-    model = RecordingModel()
+    model = scheduler.model
     updater = StandInWeightUpdater(
         tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={}, get_model=lambda: model,
         update_model_fields=lambda **kw: None, recapture_cuda_graph=lambda: None, get_model_runner=lambda: None,
     )  # fmt: skip
-    return types.SimpleNamespace(weight_updater=updater, model=model)
+    # the registry resolves the checkpoint's class on first use (importing SGLang's model modules takes seconds)
+    view = functools.cache(lambda: sglang_view(model, scheduler.model_config))
+    exporter = WeightExporter(tp_rank=0, tp_size=1, gpu_id=0, get_model_path=lambda: scheduler.server_args.model_path,
+                              get_model=view)  # fmt: skip
+    return types.SimpleNamespace(weight_updater=updater, weight_exporter=exporter, model=model)
 
 
 def _free_port() -> int:

@@ -22,7 +22,7 @@ import signal
 import subprocess
 import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +59,10 @@ def judge_json(*args: str) -> dict[str, Any]:
 
 
 class Judge:
-    """A running `sglang_judge.py serve`: SGLang's server for arl's command line, on loopback."""
+    """A running `sglang_judge.py serve`: SGLang's server for arl's command line, on loopback. `options`: the
+    judge's own (before `--`), e.g. `["--corrupt", "VERSION:NAME:DELTA"]`."""
 
-    def __init__(self, argv: list[str], port: int, workdir: Path) -> None:
+    def __init__(self, argv: list[str], port: int, workdir: Path, options: Sequence[str] = ()) -> None:
         self.url = f"http://127.0.0.1:{port}"
         workdir.mkdir(parents=True, exist_ok=True)
         self.record = workdir / "record.jsonl"
@@ -69,9 +70,9 @@ class Judge:
         self.record.touch()
         with open(self.log, "wb") as log:
             # Its own session: SGLang's server spawns a scheduler and a detokenizer; stop() ends the group.
-            self.proc = subprocess.Popen([str(SGLANG_PYTHON), "-W", "ignore", str(JUDGE), "serve", "--record",
-                                          str(self.record), "--", *argv], stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)  # fmt: skip
+            command = [str(SGLANG_PYTHON), "-W", "ignore", str(JUDGE), "serve", "--record", str(self.record),
+                       *options, "--", *argv]  # fmt: skip
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait_healthy()
 
     def _wait_healthy(self) -> None:
@@ -133,9 +134,9 @@ def launch_argv(config: Any, port: int, model_dir: Path, version: int) -> list[s
     return argv[3:]
 
 
-def start_judge(model_dir: Path, workdir: Path, version: int = 3) -> Judge:
+def start_judge(model_dir: Path, workdir: Path, version: int = 3, options: Sequence[str] = ()) -> Judge:
     port = free_port("127.0.0.1")
-    return Judge(launch_argv(arl_sglang_config(model_dir), port, model_dir, version), port, workdir)
+    return Judge(launch_argv(arl_sglang_config(model_dir), port, model_dir, version), port, workdir, options)
 
 
 @pytest.fixture(scope="module")
@@ -534,16 +535,21 @@ def test_publisher_follows_sglangs_protocol(tiny_model_dir: Path, tmp_path: Path
         state = {f"model.layers.{i}.weight": torch.randn(4, 4) for i in range(3)}
         mark = judge.mark()
         publisher = publish.make_publisher("nccl", paths, timeout_s=20, tied_embeddings=False)
-        assert publisher.publish(4, None, state) == [judge.url]
+        report = publisher.publish(4, None, state)
+        assert getattr(report, "servers", report) == [judge.url]  # a PublishReport (a URL list before it)
         judge.settle()  # the publisher's last call, /continue_generation, is answered before it is recorded
         kinds = [r["type"] for r in judge.records(mark) if r["type"] not in ("GetInternalStateReq", "Loaded")]
         buckets = judge.records(mark, "UpdateWeightsFromDistributedReqInput")
         assert len(buckets) > 1
         assert kinds.index("InitWeightsUpdateGroupReqInput") < kinds.index("BeginWeightUpdateReqInput")
-        assert [k for k in kinds if k != "InitWeightsUpdateGroupReqInput"] == [
-            "PauseGenerationReqInput", "BeginWeightUpdateReqInput",
-            *["UpdateWeightsFromDistributedReqInput"] * len(buckets),
-            "EndWeightUpdateReqInput", "ContinueGenerationReqInput"]  # fmt: skip
+        kinds = [k for k in kinds if k != "InitWeightsUpdateGroupReqInput"]
+        if kinds[1:3] == ["EndWeightUpdateReqInput", "BeginWeightUpdateReqInput"]:
+            del kinds[1]  # closing a session a dead trainer left open (SGLang refuses it when none is: harmless)
+        session = ["PauseGenerationReqInput", "BeginWeightUpdateReqInput",
+                   *["UpdateWeightsFromDistributedReqInput"] * len(buckets), "EndWeightUpdateReqInput"]  # fmt: skip
+        assert kinds[: len(session)] == session
+        rest = kinds[len(session) :]  # continue, once or more (SGLang answers a repeated one alike)
+        assert rest and set(rest) == {"ContinueGenerationReqInput"}, kinds
         (pause,) = judge.records(mark, "PauseGenerationReqInput")
         assert pause["mode"] == "retract"
         # SGLang's flush_cache defaults to true: the buckets before the last must say false
