@@ -61,6 +61,8 @@ class PublishOptions:
     dtype: str = "float32"
     """The dtype the servers run in (the verification tolerance depends on it)."""
     seed: int = 0
+    logprob_atol: float | None = None
+    """The probe's tolerance (None: the dtype's default, `verify.TOLERANCES`)."""
     min_servers: int | None = None
     on_bucket: Callable[[int, int], None] | None = None
     """Test seam: called with (version, bucket index) before each broadcast bucket (fault injection)."""
@@ -72,6 +74,7 @@ class PublishOptions:
         trainer = config.trainer
         return cls(broadcast_timeout_s=trainer.broadcast_timeout_s, dtype=config.model.dtype, seed=trainer.seed,
                    verify_model=Path(config.model.path) if trainer.verify else None,
+                   logprob_atol=trainer.verify_tolerance,
                    min_servers=config.inference.min_servers)  # fmt: skip
 
 
@@ -128,7 +131,10 @@ class Publisher:
             else BroadcastTransport(self.calls, paths, self.options.broadcast_timeout_s, self.options.on_bucket)
         )  # fmt: skip
         model = self.options.verify_model
-        self.verifier = Verifier(model, self.options.dtype, tied_embeddings, seed=self.options.seed) if model else None
+        self.verifier = (
+            Verifier(model, self.options.dtype, tied_embeddings, seed=self.options.seed,
+                     logprob_atol=self.options.logprob_atol) if model else None
+        )  # fmt: skip
 
     def publish(self, version: int, checkpoint: Path | None, state_dict: StateDict | None) -> PublishReport:
         """Put `version` on the servers and verify it (module docstring); raises when it cannot be announced."""

@@ -95,6 +95,9 @@ class TrainerConfig(Block):
     verify: bool = True
     """Check every server after every weight swap (a probe's input log-probabilities and a sample of
     weights against the trainer's own) before the version is announced; see docs/reliability.md."""
+    verify_tolerance: float | None = Field(None, gt=0)
+    """Largest allowed |server - trainer| log-probability at any probe position; `None` = by `model.dtype`
+    (float32 0.002, float16 0.01, bfloat16 0.05)."""
     deterministic: bool = False
     """Deterministic algorithms and fixed seeds (bitwise-reproducible resume on CPU)."""
     seed: int = 0
