@@ -6,6 +6,7 @@ Skipped with a reason when `.vllm-venv` is absent (build it with scripts/vllm_ve
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import time
@@ -29,6 +30,10 @@ pytestmark = [
     pytest.mark.skipif(vllm_venv_python() is None, reason="no .vllm-venv: build it with scripts/vllm_venv.sh"),
 ]
 TOL = 2e-3  # vLLM's CPU kernels (fused qkv, its own attention) vs transformers' eager path, fp32
+# Input logprobs served in fp32 vs a transformers fp32 forward: measured up to 9.5e-7 (4 seeds, 32- and
+# 200-token probes: the same weights through oneDNN's GEMMs and vLLM's CPU attention instead of torch's
+# eager ops). 1e-5 leaves 10x room; a wrong weight moves them by tenths (pipeline/trainer/verify.py).
+PROMPT_TOL = 1e-5
 
 
 def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float = 900.0) -> None:
@@ -156,6 +161,77 @@ def test_bad_input_is_a_400(vllm_url: str):
     assert resp.status_code == 400
 
 
+PROBE = [(7 * i + 3) % 500 for i in range(32)]
+
+
+async def test_input_logprobs_equal_a_transformers_forward(vllm_url: str, tmp_path: Path):
+    """SGLang's `input_token_logprobs` from vLLM's prompt logprobs: raw (no temperature), first scored
+    position null, from `logprob_start_len` on; top logprobs, streaming and scoring-only alike."""
+    from pipeline.tiny_model import make_tiny_model
+
+    other = make_tiny_model(tmp_path / "seed4", seed=4)  # swapped in first: what is scored is what serves now
+    async with EngineClient([vllm_url]) as client:
+        await client.update_weights_from_disk(str(other), weight_version=4)
+    with torch.no_grad():
+        want = torch.log_softmax(load(other)(input_ids=torch.tensor([PROBE])).logits[0].float(), dim=-1)
+    body = {"input_ids": PROBE, "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0}}  # fmt: skip
+    async with httpx.AsyncClient(base_url=vllm_url, timeout=120) as http:
+        whole = (await http.post("/generate", json=body)).json()
+        later = {**body, "logprob_start_len": 20, "top_logprobs_num": 3,
+                 "sampling_params": {"max_new_tokens": 0, "temperature": 0.5}}  # fmt: skip
+        scored = (await http.post("/generate", json=later)).json()
+        async with http.stream("POST", "/generate", json={**body, "stream": True}) as resp:
+            events = [json.loads(line[5:]) for line in [ln async for ln in resp.aiter_lines()]
+                      if line.startswith("data:") and "[DONE]" not in line]  # fmt: skip
+    entries = whole["meta_info"]["input_token_logprobs"]
+    assert [tok for _, tok, _ in entries] == PROBE and entries[0][0] is None
+    gaps = [abs(lp - want[i - 1, tok].item()) for i, (lp, tok, _) in enumerate(entries) if i > 0]
+    assert max(gaps) < PROMPT_TOL, max(gaps)
+    assert len(whole["output_ids"]) == 1 and whole["meta_info"]["weight_version"] == "4"
+    assert events[-1]["meta_info"]["input_token_logprobs"] == entries
+    # From position 20, scoring only: 12 entries, the first null; top logprobs unscaled by the temperature.
+    meta = scored["meta_info"]
+    assert scored["output_ids"] == [] and meta["finish_reason"] == {"type": "length", "length": 0}
+    assert [tok for _, tok, _ in meta["input_token_logprobs"]] == PROBE[20:]
+    assert meta["input_token_logprobs"][0][0] is None and meta["input_top_logprobs"][0] is None
+    for i, (lp, tok, _) in enumerate(meta["input_token_logprobs"][1:], start=21):
+        assert abs(lp - want[i - 1, tok].item()) < PROMPT_TOL
+        values, ids = want[i - 1].topk(3)
+        top = meta["input_top_logprobs"][i - 20]
+        assert [t for _, t, _ in top] == ids.tolist()
+        assert max(abs(v - w) for (v, _, _), w in zip(top, values.tolist(), strict=True)) < PROMPT_TOL
+
+
+async def test_weights_by_name_are_the_served_checkpoint(vllm_url: str, tmp_path: Path):
+    """Every HF parameter name, un-fused from vLLM's qkv/gate_up layers (read through vLLM's packed CPU
+    kernels: its CPU build keeps no plain copy), equals the checkpoint just loaded; tied lm_head is the
+    embedding; an unknown name is a 400 naming it; tp_size > 1 is refused rather than answering a shard."""
+    from safetensors.torch import load_file
+
+    from pipeline.engine.server.requests import RequestError
+    from pipeline.engine.server.vllm_adapter import AdapterConfig, VLLMAdapter
+    from pipeline.tiny_model import make_tiny_model
+
+    other = make_tiny_model(tmp_path / "seed5", seed=5)
+    checkpoint = load_file(str(other / "model.safetensors"))
+    assert "lm_head.weight" not in checkpoint  # tied
+    async with EngineClient([vllm_url]) as client:
+        await client.update_weights_from_disk(str(other), weight_version=5)
+    async with httpx.AsyncClient(base_url=vllm_url, timeout=120) as http:
+        for name in [*checkpoint, "lm_head.weight"]:
+            resp = await http.post("/get_weights_by_name", json={"name": name, "truncate_size": 3})
+            assert resp.status_code == 200, resp.text
+            want = checkpoint.get(name, checkpoint["model.embed_tokens.weight"])[:3].float()  # served fp32
+            assert torch.equal(torch.tensor(resp.json()), want), name
+        unknown = await http.post("/get_weights_by_name", json={"name": "model.layers.9.mlp.up_proj.weight"})
+    assert unknown.status_code == 400 and "model.layers.9.mlp.up_proj.weight" in unknown.text, unknown.text
+    sharded = VLLMAdapter(AdapterConfig(upstream=vllm_url, model_path=str(other), tp_size=2))
+    with pytest.raises(RequestError, match="tp_size > 1"):
+        await sharded.weights_by_name("model.norm.weight", 3)
+    await sharded.http.aclose()
+
+
 async def test_update_from_disk(vllm_url: str, tmp_path: Path):
     from pipeline.tiny_model import make_tiny_model
 
@@ -209,6 +285,9 @@ async def test_update_from_distributed_over_gloo(vllm_url: str, tmp_path: Path):
         result = await client.generate(PROMPT, {"max_new_tokens": 8, "ignore_eos": True})
     assert result.weight_version == 3
     assert close(result.output_logprobs, teacher_forced(new, PROMPT, result.output_ids))
+    for name, tensor in [*named, ("lm_head.weight", new.lm_head.weight)]:  # what the layerwise reload loaded
+        rows = httpx.post(vllm_url + "/get_weights_by_name", json={"name": name, "truncate_size": 2}, timeout=60)
+        assert rows.status_code == 200 and torch.equal(torch.tensor(rows.json()), tensor[:2].detach()), name
     # Leaving the group is the same route as on the hf engine: 200 once, then 400 (no such group).
     async with httpx.AsyncClient(base_url=vllm_url, timeout=120) as http:
         left = await http.post("/destroy_weights_update_group", json={"group_name": "vllm-wg"})
@@ -220,8 +299,9 @@ async def test_update_from_distributed_over_gloo(vllm_url: str, tmp_path: Path):
 
 def test_broadcast_publisher_in_buckets(vllm_url: str, tiny_model_dir: Path, tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """arl's publisher against the adapter, in several buckets (pause, begin, buckets, end, continue): the
-    version moves only with the last bucket, the new weights serve, and the adapter ends unpaused."""
+    """arl's publisher against the adapter, in several buckets (pause, begin, buckets, end, verify, continue):
+    the version moves only after the last bucket, the trainer's verification passes on the probe and on the
+    weights read back, the new weights serve, and the adapter ends unpaused."""
     from pipeline.engine.registry import write_entry
     from pipeline.paths import RunPaths
     from pipeline.tiny_model import make_tiny_model
@@ -232,27 +312,25 @@ def test_broadcast_publisher_in_buckets(vllm_url: str, tiny_model_dir: Path, tmp
     new = load(make_tiny_model(tmp_path / "seed3", seed=3))
     state = {k: v.detach().clone() for k, v in new.state_dict().items()}
     monkeypatch.setattr(publish, "BUCKET_BYTES", 256 * 1024)
-    monkeypatch.setattr(publish, "GROUP_NAME", "vllm-publish")
     assert len(buckets(state, publish.BUCKET_BYTES)) > 2
     before = httpx.get(vllm_url + "/model_info").json()["weight_version"]
-    versions_seen: list[int | None] = []
-    real_update = EngineClient.update_weights_from_distributed
+    versions_seen: list[str] = []  # the served version as each bucket is about to go
 
-    async def update(self: EngineClient, *args: Any, **kwargs: Any) -> None:  # what each bucket announced
-        await real_update(self, *args, **kwargs)
-        versions_seen.append(int(httpx.get(vllm_url + "/model_info").json()["weight_version"]))
+    def on_bucket(version: int, index: int) -> None:
+        versions_seen.append(httpx.get(vllm_url + "/model_info").json()["weight_version"])
 
-    monkeypatch.setattr(EngineClient, "update_weights_from_distributed", update)
     paths = RunPaths.from_config(str(tmp_path), "vllm", "publish")
     write_entry(paths, "s0", InferenceEntry(url=vllm_url, backend="vllm", model_path=str(tiny_model_dir),
                                             weight_version=0, host="127.0.0.1", pid=os.getpid(),
                                             started_at=time.time()))  # fmt: skip
-    publisher = publish.make_publisher("nccl", paths, timeout_s=300, tied_embeddings=True)
+    options = publish.PublishOptions(verify_model=tiny_model_dir, broadcast_timeout_s=300, on_bucket=on_bucket)
+    publisher = publish.make_publisher("nccl", paths, timeout_s=300, tied_embeddings=True, options=options)
     try:
-        assert publisher.publish(7, None, state) == [vllm_url]
+        report = publisher.publish(7, None, state)
     finally:
         publisher.close()
-    assert versions_seen[:-1] == [int(before)] * (len(versions_seen) - 1) and versions_seen[-1] == 7
+    assert report.servers == [vllm_url] and report.weights_checked > 0, report
+    assert len(versions_seen) > 2 and set(versions_seen) == {before}
     info = httpx.get(vllm_url + "/server_info").json()
     assert info["paused"] is False and info["weight_version"] == "7"
 

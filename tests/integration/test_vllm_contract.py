@@ -195,6 +195,12 @@ REQUESTS: list[dict[str, Any]] = [
     {"input_ids": list(range(20, 500)), "sampling_params": {"max_new_tokens": 1000}},  # clipped to the context
     {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 16}, "stream": True, "return_logprob": True,
      "top_logprobs_num": 5},
+    # prompt logprobs: the trainer's verification probe (scoring only), and from a later position with top
+    # logprobs in a stream (vLLM streams no prompt logprobs: the adapter asks for one non-streamed answer)
+    {"input_ids": list(range(40, 72)), "return_logprob": True, "logprob_start_len": 0, "rid": "arl-verify-1",
+     "sampling_params": {"max_new_tokens": 0, "temperature": 0}},
+    {"input_ids": [11, 12, 13, 14], "return_logprob": True, "logprob_start_len": 2, "top_logprobs_num": 3,
+     "stream": True, "sampling_params": {"max_new_tokens": 4, "temperature": 0.8}},
 ]  # fmt: skip
 
 
@@ -205,7 +211,8 @@ def test_vllm_turns_arls_bodies_into_the_sampling_arl_asked_for(model_dir: Path)
     for request in REQUESTS:
         req = GenerateReqInput.model_validate(request)
         for item in expand(req, adapter.limits, adapter.tokenizer):
-            cases.append((item, completion_body(item, SERVED, stream=req.stream), req.stream))
+            stream = req.stream and item.logprob_start_len < 0  # as the adapter sends it
+            cases.append((item, completion_body(item, SERVED, stream=stream), stream))
     answer = judge("check-bodies", vllm_spec(model_dir), stdin=[body for _, body, _ in cases])
     for (item, body, stream), result in zip(cases, answer["results"], strict=True):
         where = f"vLLM {answer['version']} on {json.dumps(body)[:300]}"
@@ -215,6 +222,7 @@ def test_vllm_turns_arls_bodies_into_the_sampling_arl_asked_for(model_dir: Path)
         assert result["return_tokens_as_token_ids"] is True and result["stream"] is stream, where
         assert result["include_usage"] is stream, where
         params, got = item.params, result["sampling"]
+        scored = item.logprob_start_len >= 0
         expected = {
             "n": 1,
             "temperature": params.temperature,
@@ -222,10 +230,10 @@ def test_vllm_turns_arls_bodies_into_the_sampling_arl_asked_for(model_dir: Path)
             "seed": params.sampling_seed,
             "stop": params.stop_strings(),
             "ignore_eos": params.ignore_eos,
-            "max_tokens": item.max_new_tokens,
+            "max_tokens": max(item.max_new_tokens, 1) if scored else item.max_new_tokens,  # vLLM refuses 0
             "min_tokens": 0,
             "logprobs": item.top_logprobs_num,
-            "prompt_logprobs": None,
+            "prompt_logprobs": item.top_logprobs_num if scored else None,
             "include_stop_str_in_output": params.no_stop_trim,
             "skip_special_tokens": params.skip_special_tokens,
             "spaces_between_special_tokens": params.spaces_between_special_tokens,

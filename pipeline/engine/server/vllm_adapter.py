@@ -11,8 +11,14 @@ commands into vLLM calls:
   waits for them at its begin and holds new requests until its end: the workers' layers are being
   replaced in between (vLLM's layerwise reload), and the prefix cache is reset at the end;
 * pause holds *new* requests until resume (mode `abort` also aborts those in flight); vLLM offers
-  no way to freeze a running request from outside, so requests already in flight run to completion;
-* abort cancels the upstream HTTP call, which makes vLLM abort the request.
+  no way to freeze a running request from outside, so requests already in flight run to completion.
+  The trainer's verification probe (`rid` prefix `VERIFY_RID_PREFIX`, prompt scoring, nothing
+  generated) runs while paused, as on the hf engine, but never during a weight update;
+* abort cancels the upstream HTTP call, which makes vLLM abort the request;
+* input logprobs (`logprob_start_len` >= 0) are vLLM's prompt logprobs (see `vllm_wire.py`); vLLM
+  does not stream them, so such a request is answered by one non-streamed call, and a stream gets
+  one event with everything;
+* `/get_weights_by_name` reads the parameter from the vLLM worker (`arl_weights_by_name`).
 
 Run: `python -m pipeline.engine.server.vllm_adapter --upstream URL --port N --model-path DIR` (see `procs.py`).
 """
@@ -31,11 +37,11 @@ import httpx
 
 from pipeline.engine.server.app import build_app
 from pipeline.engine.server.backend import Check, Progress, model_info_body
-from pipeline.engine.server.requests import Limits, RequestError, WorkItem, stop_token_ids
+from pipeline.engine.server.requests import Limits, PromptLogprobs, RequestError, WorkItem, stop_token_ids
 from pipeline.engine.server.serve import config_from_args, serve, server_parser
-from pipeline.engine.server.vllm_wire import choice_tokens, choice_top, completion_body, finish_reason
+from pipeline.engine.server.vllm_wire import choice_tokens, choice_top, completion_body, finish_reason, prompt_scores
 from pipeline.engine.server.weights import eos_token_ids, load_tokenizer
-from schemas.engine_api import InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput
+from schemas.engine_api import VERIFY_RID_PREFIX, InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput
 
 
 @dataclass
@@ -54,6 +60,7 @@ class VLLMAdapter:
 
     failure_status = 502  # an error here is (nearly always) vLLM's: the gateway's status
     incremental_stream = False
+    serves_input_logprobs = True
 
     def __init__(self, config: AdapterConfig) -> None:
         self.config = config
@@ -70,6 +77,9 @@ class VLLMAdapter:
         self.open = asyncio.Event()
         self.open.set()
         self.paused = False
+        self.steady = asyncio.Event()
+        """No weight update runs (the verification probe waits only for this)."""
+        self.steady.set()
         self.updating = False
         """A broadcast session is open: requests are held whatever `/continue_generation` says."""
         self.inflight: dict[str, asyncio.Future[Any]] = {}
@@ -79,15 +89,16 @@ class VLLMAdapter:
 
     # -- generation -------------------------------------------------------------------------
     async def generate(self, item: WorkItem, *, stream: bool) -> AsyncGenerator[Progress, None]:
-        await self.open.wait()
-        if not stream:
+        await _until_set(self.steady if _is_probe(item) else self.open)
+        if not stream or item.logprob_start_len >= 0:  # vLLM streams no prompt logprobs
             yield await self._complete(item)
             return
         async for progress in self._stream(item):
             yield progress
 
     async def _complete(self, item: WorkItem) -> Progress:
-        if item.max_new_tokens == 0:  # vLLM refuses max_tokens=0; SGLang answers with nothing generated
+        scored = item.logprob_start_len >= 0
+        if item.max_new_tokens == 0 and not scored:  # vLLM refuses max_tokens=0; SGLang answers with nothing
             return self._progress([], [], {"type": "length", "length": 0})
         body = completion_body(item, self.config.served_model_name, stream=False)
         upstream = asyncio.ensure_future(self.http.post("/v1/completions", json=body))
@@ -103,9 +114,12 @@ class VLLMAdapter:
             self.inflight.pop(item.rid, None)
             self.aborted.discard(item.rid)
         choice = _upstream_json(resp)["choices"][0]
+        prompt = prompt_scores(choice, item) if scored else None
+        if item.max_new_tokens == 0:  # scored only: vLLM generated one token, which SGLang would not have
+            return self._progress([], [], {"type": "length", "length": 0}, prompt=prompt)
         ids, logprobs = choice_tokens(choice)
         finish = finish_reason(choice, ids, stop_token_ids(item.params, self.eos_ids))
-        return self._progress(ids, logprobs, finish, choice_top(choice, item.top_logprobs_num))
+        return self._progress(ids, logprobs, finish, choice_top(choice, item.top_logprobs_num), prompt)
 
     async def _stream(self, item: WorkItem) -> AsyncIterator[Progress]:
         """vLLM's streamed completion, one event per upstream chunk that carries tokens or the finish."""
@@ -136,8 +150,11 @@ class VLLMAdapter:
             self.inflight.pop(item.rid, None)
             self.aborted.discard(item.rid)
 
-    def _progress(self, ids: list[int], lps: list[float], finish: dict[str, Any] | None, top: Any = None) -> Progress:
-        return Progress(ids, lps, self.weight_version, finish, top or [])
+    def _progress(
+        self, ids: list[int], lps: list[float], finish: dict[str, Any] | None, top: Any = None,
+        prompt: PromptLogprobs | None = None,
+    ) -> Progress:  # fmt: skip
+        return Progress(ids, lps, self.weight_version, finish, top or [], prompt)
 
     async def health(self, *, generate: bool) -> Check:
         # `generate` or not, the same question: vLLM's /health answers only while its engine runs.
@@ -193,6 +210,7 @@ class VLLMAdapter:
         layerwise reload; requests stay held until `end_update`."""
         self.updating = True
         self.open.clear()
+        self.steady.clear()
         try:
             await self._drain(abort_all=False)
             if self.inflight:
@@ -218,6 +236,7 @@ class VLLMAdapter:
 
     def _stop_updating(self) -> None:
         self.updating = False
+        self.steady.set()
         if not self.paused:
             self.open.set()
 
@@ -228,12 +247,14 @@ class VLLMAdapter:
     async def _swap(self, abort_all: bool, version: int | None, method: str, arg: str) -> None:
         """Run a weight-loading RPC with no request in flight (SGLang's update semantics), then reset the cache."""
         async with self.update_lock:
-            await self._drain(abort_all)
+            self.steady.clear()
             try:
+                await self._drain(abort_all)
                 await self._rpc(method, arg)
                 await self.http.post("/reset_prefix_cache")
             finally:
-                if not self.paused:
+                self.steady.set()
+                if not self.paused and not self.updating:
                     self.open.set()
             self.weight_version = self.weight_version if version is None else version
 
@@ -262,6 +283,23 @@ class VLLMAdapter:
         if bad:
             raise RequestError(f"shape mismatch (name, got, expected): {bad[:5]}")
 
+    async def weights_by_name(self, name: str, truncate_size: int) -> list[Any]:
+        """SGLang's `/get_weights_by_name`: the first rows of a served parameter, by its HF name.
+
+        Read from the vLLM worker (`arl_weights_by_name`), which un-fuses vLLM's qkv/gate_up layers.
+        With tp_size > 1 each worker holds a shard: refused rather than answering one shard's rows.
+        """
+        if self.config.tp_size > 1:
+            raise RequestError(f"get_weights_by_name is not supported with tp_size > 1 (tp_size={self.config.tp_size})")
+        if name not in self.checkpoint_shapes and name != "lm_head.weight":
+            raise RequestError(f"{name!r} is not a parameter of the served checkpoint")
+        if self.updating:
+            raise RequestError("a broadcast weight update is open on the vLLM workers: /end_weight_update first")
+        async with self.update_lock:  # never half-way through a disk update
+            spec = json.dumps({"name": name, "truncate_size": truncate_size})
+            results = await self._rpc("arl_weights_by_name", spec)
+        return list(results["results"][0])
+
     # -- info -------------------------------------------------------------------------------
     def model_info(self) -> dict[str, Any]:
         tokenizer = self.config.tokenizer_path or self.model_path
@@ -278,6 +316,17 @@ class VLLMAdapter:
             "paused": self.paused,
             "running": len(self.inflight),
         }
+
+
+def _is_probe(item: WorkItem) -> bool:
+    """The trainer's verification probe (`pipeline.engine.client.admin.score_prompt`)."""
+    return item.rid.startswith(VERIFY_RID_PREFIX) and item.max_new_tokens == 0 and item.logprob_start_len >= 0
+
+
+async def _until_set(event: asyncio.Event) -> None:
+    """Wait for `event`, and for it to be set still when this task runs on (another may clear it between)."""
+    while not event.is_set():
+        await event.wait()
 
 
 def _current_task_cancelling() -> bool:

@@ -5,6 +5,13 @@ with `--return-tokens-as-token-ids`, so every returned token is `token_id:<n>` a
 exact (no re-tokenisation of text). `logprobs: 0` asks for the sampled token's logprob only;
 `logprobs: k` (SGLang's `top_logprobs_num`) adds vLLM's per-position `top_logprobs` dicts, which hold
 the sampled token as well as the k most likely, so they are sorted and cut back to k.
+
+SGLang's input logprobs (`logprob_start_len` >= 0) are vLLM's `prompt_logprobs`: per prompt position a
+dict {token id: {logprob, rank, ...}} holding the prompt's token (and the k most likely with
+`prompt_logprobs: k`), None at position 0. vLLM computes them from the raw logits whatever
+`--logprobs-mode` says (prompt tokens skip the sampling processors: no temperature), as SGLang does.
+A request with prompt logprobs never reads vLLM's prefix cache (vLLM's rule), so every prompt is scored
+by the weights served now. `max_new_tokens` 0 (scoring only) asks vLLM for one token, which is dropped.
 Pure functions: unit-tested without a server.
 """
 
@@ -12,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.engine.server.requests import WorkItem
+from pipeline.engine.server.requests import PromptLogprobs, WorkItem
 from pipeline.engine.tokens import TopEntry
 
 _TOKEN_PREFIX = "token_id:"
@@ -50,6 +57,9 @@ def completion_body(item: WorkItem, served_name: str, *, stream: bool) -> dict[s
         body["stop_token_ids"] = list(params.stop_token_ids)
     if params.sampling_seed is not None:
         body["seed"] = params.sampling_seed
+    if item.logprob_start_len >= 0:
+        body["prompt_logprobs"] = item.top_logprobs_num
+        body["max_tokens"] = max(item.max_new_tokens, 1)  # vLLM refuses 0; the caller drops the token
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
@@ -72,6 +82,26 @@ def choice_top(choice: dict[str, Any], k: int) -> list[TopEntry]:
         pairs = [(float(lp), parse_token(tok)) for tok, lp in (position or {}).items()]
         out.append(sorted(pairs, key=lambda pair: -pair[0])[:k])
     return out
+
+
+def prompt_scores(choice: dict[str, Any], item: WorkItem) -> PromptLogprobs:
+    """SGLang's input logprobs of `item.input_ids[logprob_start_len:]` from a choice's `prompt_logprobs`:
+    the first scored position None (as SGLang, whatever the start), then each prompt token's logprob."""
+    start, ids, k = item.logprob_start_len, item.input_ids, item.top_logprobs_num
+    if start >= len(ids):
+        return PromptLogprobs([], [])
+    positions = choice.get("prompt_logprobs")
+    if not positions or len(positions) != len(ids):
+        got = "none" if not positions else len(positions)
+        raise ValueError(f"vLLM returned {got} prompt logprobs for a prompt of {len(ids)} tokens")
+    values: list[float | None] = [None]
+    top: list[TopEntry | None] = [None] if k > 0 else []
+    for token, position in zip(ids[start + 1 :], positions[start + 1 :], strict=True):
+        values.append(float(position[str(token)]["logprob"]))
+        if k > 0:
+            pairs = [(float(entry["logprob"]), int(tok)) for tok, entry in position.items()]
+            top.append(sorted(pairs, key=lambda pair: -pair[0])[:k])
+    return PromptLogprobs(values, top)
 
 
 def parse_token(token: str) -> int:

@@ -16,6 +16,14 @@ weights arrived), `arl_end_update` finishes it. One `reload_weights` per bucket 
 finishes every layer at the end of each call, and a layer whose weights span two buckets (q in one,
 k and v in the next) came out wrong (measured). No request may run during a session: the layers
 being replaced are on the meta device until they are complete.
+
+`arl_weights_by_name` answers SGLang's `/get_weights_by_name` for a Hugging Face parameter name: vLLM
+fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj` (the model's `packed_modules_mapping`),
+so a part is sliced out of the fused rows by the layer's `output_sizes`; a tied `lm_head.weight` is the
+embedding. vLLM's CPU build drops a linear layer's weight once it has packed it for its GEMM kernel
+(`dispatch_cpu_unquantized_gemm(remove_weight=True)`); there the rows are read back through that
+kernel, on identity inputs: each output is one weight times 1 plus zeros, so the rows come back
+exactly, and they are the weights the kernel computes with (not a copy that could be stale).
 """
 
 from __future__ import annotations
@@ -110,6 +118,15 @@ class ArlWorkerExtension:
             getattr(runner, reset, lambda: None)()
         return f"rank {self.rank}: update closed"
 
+    def arl_weights_by_name(self, spec: str) -> list[Any]:
+        """The first `truncate_size` rows (elements of a vector) of a parameter, by its Hugging Face name."""
+        args = json.loads(spec)
+        if self.__dict__.get("_arl_updating"):
+            raise RuntimeError(f"rank {self.rank}: a weight update is open; its layers are being replaced")
+        if self.vllm_config.parallel_config.tensor_parallel_size > 1:
+            raise RuntimeError("weights by name are not supported with tp_size > 1 (each worker holds a shard)")
+        return _hf_rows(self.model_runner.get_model(), args["name"], int(args["truncate_size"]))
+
     def _arl_group(self, name: str) -> Any:
         group = self.__dict__.get("_arl_groups", {}).get(name)
         if group is None:
@@ -122,3 +139,38 @@ class ArlWorkerExtension:
         method = getattr(lm_head, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(lm_head)
+
+
+def _hf_rows(model: Any, name: str, truncate_size: int) -> list[Any]:
+    """`param.float().tolist()[:truncate_size]` of the HF parameter `name` as this vLLM model serves it."""
+    import torch
+
+    params = dict(model.named_parameters())
+    if name == "lm_head.weight" and name not in params and getattr(model.config, "tie_word_embeddings", False):
+        name = "model.embed_tokens.weight"  # tied: one tensor, registered under the embedding's name
+    rows = slice(None)
+    for fused, parts in getattr(model, "packed_modules_mapping", {}).items():
+        for index, part in enumerate(parts):
+            if f".{part}." in name:
+                name = name.replace(f".{part}.", f".{fused}.")
+                sizes = model.get_submodule(name.rsplit(".", 1)[0]).output_sizes
+                rows = slice(sum(sizes[:index]), sum(sizes[: index + 1]))
+    if name not in params:
+        raise KeyError(f"{name!r} is not a parameter of the served vLLM model")
+    layer = model.get_submodule(name.rsplit(".", 1)[0])
+    tensor = params[name]
+    if tensor.numel() == 0 and name.endswith(".weight") and hasattr(layer, "cpu_linear"):
+        tensor = _packed_weight(layer, tensor.dtype, tensor.device)
+    if hasattr(layer, "org_vocab_size"):  # an embedding / lm head: drop the vocabulary padding
+        tensor = tensor[: layer.org_vocab_size]
+    with torch.no_grad():
+        return tensor[rows][:truncate_size].float().cpu().tolist()
+
+
+def _packed_weight(layer: Any, dtype: Any, device: Any) -> Any:
+    """A CPU linear layer's (out, in) weight, read back through its packed GEMM kernel (module docstring)."""
+    import torch
+
+    with torch.no_grad():
+        eye = torch.eye(layer.input_size_per_partition, dtype=dtype, device=device)
+        return layer.cpu_linear(eye, layer.weight, None).t()
