@@ -212,6 +212,7 @@ async def test_weights_by_name_are_the_served_checkpoint(vllm_url: str, tmp_path
     from pipeline.engine.server.requests import RequestError
     from pipeline.engine.server.vllm_adapter import AdapterConfig, VLLMAdapter
     from pipeline.tiny_model import make_tiny_model
+    from pipeline.trainer.verify import UNSUPPORTED
 
     other = make_tiny_model(tmp_path / "seed5", seed=5)
     checkpoint = load_file(str(other / "model.safetensors"))
@@ -227,8 +228,9 @@ async def test_weights_by_name_are_the_served_checkpoint(vllm_url: str, tmp_path
         unknown = await http.post("/get_weights_by_name", json={"name": "model.layers.9.mlp.up_proj.weight"})
     assert unknown.status_code == 400 and "model.layers.9.mlp.up_proj.weight" in unknown.text, unknown.text
     sharded = VLLMAdapter(AdapterConfig(upstream=vllm_url, model_path=str(other), tp_size=2))
-    with pytest.raises(RequestError, match="tp_size > 1"):
+    with pytest.raises(RequestError, match="tp_size > 1") as refused:
         await sharded.weights_by_name("model.norm.weight", 3)
+    assert UNSUPPORTED in str(refused.value)  # the trainer then verifies this server by the probe only
     await sharded.http.aclose()
 
 

@@ -287,10 +287,13 @@ class VLLMAdapter:
         """SGLang's `/get_weights_by_name`: the first rows of a served parameter, by its HF name.
 
         Read from the vLLM worker (`arl_weights_by_name`), which un-fuses vLLM's qkv/gate_up layers.
-        With tp_size > 1 each worker holds a shard: refused rather than answering one shard's rows.
+        With tp_size > 1 each worker holds a shard: refused rather than answering one shard's rows, in SGLang's
+        words for a model that cannot answer (`pipeline.trainer.verify.UNSUPPORTED`).
         """
-        if self.config.tp_size > 1:
-            raise RequestError(f"get_weights_by_name is not supported with tp_size > 1 (tp_size={self.config.tp_size})")
+        if self.config.tp_size > 1:  # SGLang's words for "cannot": the trainer then verifies by the probe only
+            raise RequestError(
+                f"Get parameter by name failed: not supported with tp_size > 1 (tp_size={self.config.tp_size})"
+            )
         if name not in self.checkpoint_shapes and name != "lm_head.weight":
             raise RequestError(f"{name!r} is not a parameter of the served checkpoint")
         if self.updating:
