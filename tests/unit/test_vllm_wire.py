@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.engine.server.requests import WorkItem
-from pipeline.engine.server.vllm_wire import choice_tokens, choice_top, completion_body, finish_reason
+from pipeline.engine.server.vllm_wire import choice_tokens, choice_top, completion_body, finish_reason, prompt_scores
 from schemas.engine_api import SamplingParams
 
 
@@ -64,3 +64,25 @@ def test_top_logprobs_map_to_vllm_logprobs_k_and_back():
                            "top_logprobs": [{"token_id:9": -3.0, "token_id:1": -0.1, "token_id:2": -0.9},
                                             {"token_id:4": -0.2, "token_id:8": -1.7}]}}  # fmt: skip
     assert choice_top(choice, 2) == [[(-0.1, 1), (-0.9, 2)], [(-0.2, 4), (-1.7, 8)]]
+
+
+def test_prompt_logprobs_in_sglangs_layout():
+    """vLLM's `prompt_logprobs` (None, then {id: {logprob, rank}} holding the prompt token and the top k) become
+    SGLang's input logprobs from `logprob_start_len` on: the first scored position None, whatever the start."""
+    params = SamplingParams(max_new_tokens=0)
+    item = WorkItem("r", [5, 6, 7, 8], params, 0, True, 2, 1)
+    body = completion_body(item, "p", stream=False)
+    assert body["prompt_logprobs"] == 2 and body["max_tokens"] == 1  # vLLM refuses 0: the token is dropped
+    choice = {"prompt_logprobs": [
+        None,
+        {"6": {"logprob": -1.0, "rank": 1}},
+        {"7": {"logprob": -3.0, "rank": 4}, "1": {"logprob": -0.5, "rank": 1}, "2": {"logprob": -0.7, "rank": 2}},
+        {"8": {"logprob": -0.2, "rank": 1}, "3": {"logprob": -2.0, "rank": 2}},
+    ]}  # fmt: skip
+    scored = prompt_scores(choice, item)
+    assert scored.logprobs == [None, -3.0, -0.2]
+    assert scored.top == [None, [(-0.5, 1), (-0.7, 2)], [(-0.2, 8), (-2.0, 3)]]
+    assert prompt_scores(choice, WorkItem("r", [5, 6, 7, 8], params, 0, True, 0, 4)).logprobs == []
+    assert "prompt_logprobs" not in completion_body(WorkItem("r", [5], params, 3, True), "p", stream=False)
+    with pytest.raises(ValueError, match="none"):
+        prompt_scores({}, item)
