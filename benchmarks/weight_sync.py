@@ -1,27 +1,31 @@
-"""Weight publication to a real `hf` server: broadcast (gloo) and disk, against the raw gloo bandwidth.
+"""Weight publication to a real `hf` server, broadcast (gloo) and disk, against the raw gloo bandwidth.
 
 All figures come from one run on one machine, so the ratios compare like with like:
 
 * gloo bandwidth: rank 0 broadcasts a large fp32 tensor to one receiver process over loopback TCP
-  with the publication's own code (`init_weight_group`, `broadcast_from_trainer`,
-  `receive_from_trainer`, which allocates a fresh tensor per receive like the server does); each
-  repeat ends with a one-byte broadcast back from the receiver, so the clock stops when the bytes
-  have arrived, not when rank 0's socket buffer took them.
+  with the publication's own code (`init_weight_group`, `broadcast_from_trainer`), received two
+  ways, alternating: into one preallocated tensor (the transport alone: the ceiling) and with
+  `receive_from_trainer` (a fresh tensor per receive, as the server does). Each broadcast ends with
+  a one-byte broadcast back from the receiver, so the clock stops when the bytes have arrived.
 * publication, for the tiny model (`pipeline.tiny_model`) and a ~0.5B-parameter model of the same
-  architecture (same builder: Qwen2, random init, hidden 1024, 30 layers, vocab 32k, tied
+  architecture and builder (Qwen2, random init, hidden 1024, 30 layers, vocab 32k, tied
   embeddings; fp32, ~2 GB): one `hf` server (`python -m pipeline.engine.server.hf`, CPU, fp32) on
-  loopback, found through the run directory's registry, updated by arl's publishers
-  (`pipeline.trainer.publish.make_publisher`): `nccl` (the gloo broadcast on CPU; the first
-  publication also builds the group and is reported apart) and `disk` (the server reloads a
-  checkpoint written by `save_checkpoint`, whose time is reported apart).
-* when `publish()` returns a report (`sync_s`: pause -> buckets -> end; `verify_s`: the checks
-  after the swap), the swap and the verification are read from it; otherwise the publication's
-  wall time is the swap and verification is not measured.
+  loopback, found through the run directory's registry, updated by arl's publisher
+  (`pipeline.trainer.publish.make_publisher`, verification on as with `trainer.verify`) with
+  `nccl` (the gloo broadcast on CPU) and then `disk` (the server reloads a checkpoint written by
+  `save_checkpoint`, whose time is reported apart). The first two broadcast publications are not
+  timed with the others: they build the group and touch fresh memory on both sides (several times
+  slower); the first is reported apart.
+* from each `PublishReport`: the swap (`sync_s`: pause and move the tensors) and the verification
+  (`verify_s`: the servers' probe and weight-sample checks). The publication's wall time also holds
+  the trainer's own reference forward of the probe and the resume. This process plays the trainer
+  with `OMP_WAIT_POLICY=PASSIVE` like the server (unless set otherwise): with spinning OpenMP
+  workers the trainer's probe forward and the broadcast compete for the cores, several times slower.
 
-Ratios: broadcast efficiency = (bytes sent / gloo bandwidth) / swap time of the 0.5B broadcast
-(target >= 0.70); verification / swap for both models (target <= 0.10). Figures are medians over
-the timed repeats. Usage: `python benchmarks/weight_sync.py [--quick]` (`--quick`: 64 MiB tensor,
-a ~0.1B model, fewer repeats). Prints a table, then `RESULT {...}` (JSON) for `arl bench`.
+Ratios: broadcast efficiency = swap-time bandwidth of the 0.5B broadcast / gloo bandwidth
+(preallocated receive; target >= 0.70); verify / swap for both models (target <= 0.10). Figures
+are medians over the timed repeats. Usage: `python benchmarks/weight_sync.py [--quick]` (`--quick`:
+a 64 MiB tensor, a ~0.05B model, fewer repeats). Prints a table, then `RESULT {...}` for `arl bench`.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ EFFICIENCY_TARGET = 0.70
 VERIFY_TARGET = 0.10
 TIMEOUT_S = 300.0
 RECEIVE_MODES = ("preallocated", "fresh")
+WARMUP = 2  # broadcast publications before the timed ones (see the module docstring)
 
 
 @dataclass
@@ -214,7 +219,8 @@ def publish_model(name: str, model_dir: Path, workdir: Path, repeats: int) -> Pu
     state_dict = read_checkpoint(model_dir)
     params = sum(t.numel() for t in state_dict.values())
     sent = sum(t.numel() * t.element_size() for k, t in state_dict.items() if not (tied and k == "lm_head.weight"))
-    pub = Publication(label=f"{params / 1e9:.1f}b" if name == "large" else name, params=params, bytes_sent=sent)
+    label = name if name == "tiny" else f"{params / 1e9:.{1 if params >= 1e8 else 2}f}b"
+    pub = Publication(label=label, params=params, bytes_sent=sent)
     paths = RunPaths(workdir / f"run-{name}")
     options = PublishOptions(verify_model=model_dir, dtype="float32")  # what trainer.verify=true gives
     port = free_port("127.0.0.1")
@@ -227,12 +233,12 @@ def publish_model(name: str, model_dir: Path, workdir: Path, repeats: int) -> Pu
         with torch.no_grad():
             publisher = make_publisher("nccl", paths, TIMEOUT_S, tied, options)
             try:
-                for i in range(repeats + 1):
+                for i in range(WARMUP + repeats):
                     version += 1
                     wall, report = timed_publish(publisher, version, None, state_dict)
                     if i == 0:  # builds the group: reported apart
                         pub.broadcast_first_s = wall
-                    else:
+                    elif i >= WARMUP:
                         pub.broadcast.add(wall, report)
             finally:
                 publisher.close()
@@ -303,14 +309,14 @@ def report(summary: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="64 MiB tensor, a ~0.1B model, fewer repeats")
+    parser.add_argument("--quick", action="store_true", help="a 64 MiB tensor, a ~0.05B model, fewer repeats")
     parser.add_argument("--dir", type=Path, default=None, help="work dir (default: a temp dir, removed after)")
     parser.add_argument("--receive", nargs=3, type=int, help=argparse.SUPPRESS)  # the bandwidth receiver
     args = parser.parse_args()
     if args.receive:
         receive(*args.receive)
         return
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the server does (see hf.main)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see hf.main)
     sizes = QUICK if args.quick else FULL
     workdir = Path(tempfile.mkdtemp(prefix="arl-weight-sync-bench-", dir=args.dir))
     try:
@@ -320,15 +326,16 @@ def main() -> None:
         models = build_models(workdir, sizes)
         pubs = []
         for name, model_dir in models.items():
-            print(f"publishing {name}: broadcast 1 + {sizes.publish_repeats}, disk {sizes.publish_repeats}", flush=True)
+            print(f"publishing {name}: broadcast {WARMUP} + {sizes.publish_repeats}, disk {sizes.publish_repeats}",
+                  flush=True)  # fmt: skip
             pubs.append(publish_model(name, model_dir, workdir, sizes.publish_repeats))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     summary = summarize(bandwidth_s, sizes.tensor_mib, pubs)
     report(summary)
-    reference = (f"gloo broadcast bandwidth of a {sizes.tensor_mib} MiB fp32 tensor to one receiver process over "
-                 "loopback, same run (the ceiling of the broadcast publication); swap time of the same publication "
-                 "for verification" + (" (--quick)" if args.quick else ""))  # fmt: skip
+    reference = (f"gloo broadcast of a {sizes.tensor_mib} MiB fp32 tensor to one receiver process over loopback, "
+                 "same run (preallocated receive: the ceiling of the broadcast swap); each model's swap time "
+                 "(PublishReport.sync_s) for its verification time" + (" (--quick)" if args.quick else ""))  # fmt: skip
     print("RESULT " + json.dumps({"name": "weight_sync", **summary, "reference": reference}))
 
 
