@@ -309,7 +309,8 @@ class StandInScheduler:
         if not recv.return_logprob:
             req.logprob_start_len = -1
         elif recv.logprob_start_len == -1:
-            req.logprob_start_len = len(req.origin_input_ids) if recv.token_ids_logprob is None else -1
+            prompt_end = recv.token_ids_logprob is None or req.is_prefill_only
+            req.logprob_start_len = len(req.origin_input_ids) if prompt_end else -1
         else:
             req.logprob_start_len = recv.logprob_start_len
         if req.logprob_start_len > len(req.origin_input_ids):

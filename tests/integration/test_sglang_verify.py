@@ -62,7 +62,8 @@ def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def publisher(judge: Judge, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """arl's broadcast publisher (tied embeddings, as the tiny model) with the judge as its one server."""
+    """arl's broadcast publisher (tied embeddings, as the tiny model) with the judge as its one server; it verifies
+    every swap (fp32) as the trainer's does."""
     from pipeline.engine.registry import write_entry
     from pipeline.paths import RunPaths
     from pipeline.trainer import publish
@@ -72,7 +73,8 @@ def publisher(judge: Judge, tiny_model_dir: Path, tmp_path_factory: pytest.TempP
     write_entry(paths, "judge", InferenceEntry(url=judge.url, backend="sglang", model_path=str(tiny_model_dir),
                                                weight_version=0, host="127.0.0.1", pid=judge.proc.pid,
                                                started_at=time.time(), tp_size=1))  # fmt: skip
-    made = publish.make_publisher("nccl", paths, timeout_s=60, tied_embeddings=True)
+    options = publish.PublishOptions(verify_model=tiny_model_dir, dtype="float32")
+    made = publish.make_publisher("nccl", paths, timeout_s=60, tied_embeddings=True, options=options)
     try:
         yield made
     finally:
@@ -102,9 +104,12 @@ def next_version(judge: Judge) -> int:
     return version + 1 if version == CORRUPT_VERSION else version
 
 
-async def publish(publisher: Any, judge: Judge, version: int, state: dict[str, torch.Tensor]) -> None:
-    await asyncio.to_thread(publisher.publish, version, None, state)
+async def publish(publisher: Any, judge: Judge, version: int, state: dict[str, torch.Tensor]) -> Any:
+    """A publication the publisher verified on the judge: its report."""
+    report = await asyncio.to_thread(publisher.publish, version, None, state)
+    assert report.servers == [judge.url] and not report.recovered, report
     assert judge.model_info()["weight_version"] == str(version)
+    return report
 
 
 PROBE = probe_ids(512, {501, 503}, seed=0)
@@ -180,16 +185,18 @@ async def test_verifier_passes_a_good_swap(judge: Judge, publisher: Any, tiny_mo
 
 
 async def test_verifier_names_a_corrupted_server(judge: Judge, publisher: Any, tiny_model_dir: Path) -> None:
-    """The judge adds 1.0 to one MLP weight once `CORRUPT_VERSION` is loaded: the check fails, naming the probe
-    position and both log-probabilities (the server's as the judge serves it, the trainer's as published)."""
+    """The judge adds 1.0 to one MLP weight once `CORRUPT_VERSION` is loaded: the publisher's verification fails
+    (its one server failing, it announces nothing), and the Verifier's verdict names the probe position and
+    both log-probabilities (the server's as the judge serves it, the trainer's as published)."""
     verifier = Verifier(tiny_model_dir, "float32", tied=True)
     state = state_of(tiny_model_dir)
     expected = verifier.expect(CORRUPT_VERSION, state)
     mark = judge.mark()
     async with client(judge) as engine:
-        await publish(publisher, judge, CORRUPT_VERSION, state)
+        refused = await publish_refused(publisher, engine, state)
         verdict = await verifier.check(engine, judge.url, expected)
         scored = await engine.score_prompt(judge.url, verifier.probe)
+    assert "failed verification" in refused and "probe position" in refused, refused
     assert [(r["version"], r["name"]) for r in judge.records(mark, "Corrupted")] == [(str(CORRUPT_VERSION), CORRUPTED)]
     assert not verdict.ok and verdict.problem is not None, verdict
     found = re.search(r"probe position (\d+) \(token (\d+)\): server logprob (\S+), trainer (\S+) ", verdict.problem)
@@ -200,6 +207,39 @@ async def test_verifier_names_a_corrupted_server(judge: Judge, publisher: Any, t
     assert trainer == pytest.approx(expected.logprobs[position - 1], abs=1e-5)
     corrupted = hf_logprobs(tiny_model_dir, verifier.probe, {CORRUPTED: 1.0})
     assert server == pytest.approx(corrupted[position - 1], abs=FP32_ATOL)  # the judge serves the corrupted model
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="publish.py raises 'failed verification on every server' before it pauses "
+    "again the servers it resumed early to verify them (SGLang): they keep serving the failed weights",
+)
+async def test_a_server_that_failed_verification_is_paused_again(judge: Judge, publisher: Any,
+                                                                 tiny_model_dir: Path) -> None:  # fmt: skip
+    """SGLang scores only while running, so the publisher resumes it for the probe; when the probe fails the server
+    must be paused again (the publisher's rule: nothing answers from weights that failed verification)."""
+    mark = judge.mark()
+    async with client(judge) as engine:
+        await publish_refused(publisher, engine, state_of(tiny_model_dir), settle=judge)
+    calls = [r["type"] for r in judge.records(mark) if r["type"] not in ("GetInternalStateReq", "Loaded", "Corrupted")]
+    assert "ContinueGenerationReqInput" in calls and calls[-2:] == ["PauseGenerationReqInput",
+                                                                    "ContinueGenerationReqInput"], calls  # fmt: skip
+
+
+async def publish_refused(publisher: Any, engine: EngineClient, state: dict[str, torch.Tensor],
+                          settle: Judge | None = None) -> str:  # fmt: skip
+    """Publish `CORRUPT_VERSION` (the verifying publisher refuses it), then resume generation (the last call,
+    after `settle` records what came before): the ArlError's message."""
+    from pipeline.errors import ArlError
+
+    try:
+        with pytest.raises(ArlError) as refused:
+            await asyncio.to_thread(publisher.publish, CORRUPT_VERSION, None, state)
+        if settle is not None:
+            settle.settle()
+    finally:
+        await engine.continue_generation()
+    return str(refused.value)
 
 
 # -- a model class that can show its weights ----------------------------------------------------------
