@@ -37,10 +37,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_TOP_LOGPROBS = 20
+"""Upper bound of `top_logprobs_num` (OpenAI's `top_logprobs` bound; the cost grows with it)."""
 VERIFY_RID_PREFIX = "arl-verify-"
 """`rid` prefix of the trainer's verification probe (prompt scoring, `max_new_tokens` 0): arl's engines run
 such a request while generation is paused, so a new version is checked before any request sees it."""
-"""Upper bound of `top_logprobs_num` (OpenAI's `top_logprobs` bound; the cost grows with it)."""
 TopLogprobsNum = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 LogprobStart = Annotated[int, Field(ge=-1)]
 
