@@ -190,6 +190,8 @@ class Publisher:
         report.verify_s += time.perf_counter() - t1
         report.weights_checked += sum(v.weights_checked for v in verdicts)
         bad = {v.url: v.problem or "verification failed" for v in verdicts if not v.ok}
+        if bad:  # a server resumed early (SGLang) must stop answering from weights that failed
+            self.calls.each(list(bad), "POST", "/pause_generation", {"mode": "retract"})
         if bad and not verified and len(bad) == len(outcome.ok) == len(urls):
             raise ArlError(
                 f"version {version} failed verification on every server ({len(bad)}), so what the trainer sent is "
@@ -197,8 +199,6 @@ class Publisher:
                 + "; ".join(bad.values()) + ". Nothing is announced; the servers stay paused until a trainer "
                 "publishes a verified version (a restarted trainer publishes the version it resumes from)"
             )  # fmt: skip
-        if bad:  # a server resumed early (SGLang) must stop answering from weights that failed
-            self.calls.each(list(bad), "POST", "/pause_generation", {"mode": "retract"})
         failed.update(bad)
         for member in pending:
             if member.url in failed:

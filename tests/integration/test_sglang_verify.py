@@ -26,9 +26,10 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_sglang_contract import SGLANG_PYTHON, Judge, client, start_judge
+from test_sglang_contract import SGLANG_PYTHON, Judge, arl_sglang_config, client, launch_argv, start_judge
 
 from pipeline.engine.client import EngineClient, EngineError
+from pipeline.engine.net import free_port
 from pipeline.trainer.verify import UNSUPPORTED, Verifier, probe_ids
 
 CORRUPT_VERSION = 900
@@ -209,11 +210,6 @@ async def test_verifier_names_a_corrupted_server(judge: Judge, publisher: Any, t
     assert server == pytest.approx(corrupted[position - 1], abs=FP32_ATOL)  # the judge serves the corrupted model
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="publish.py raises 'failed verification on every server' before it pauses "
-    "again the servers it resumed early to verify them (SGLang): they keep serving the failed weights",
-)
 async def test_a_server_that_failed_verification_is_paused_again(judge: Judge, publisher: Any,
                                                                  tiny_model_dir: Path) -> None:  # fmt: skip
     """SGLang scores only while running, so the publisher resumes it for the probe; when the probe fails the server
@@ -279,5 +275,21 @@ async def test_get_weights_by_name_answers_rows_for_llama(tiny_llama_arch_dir: P
             verifier = Verifier(tiny_llama_arch_dir, "float32", tied=True)
             verdict = await verifier.check(engine, judge.url, verifier.expect(0, state))
         assert verdict.ok and verdict.weights_supported is True and verdict.weights_checked > 0, verdict
+    finally:
+        judge.stop()
+
+
+async def test_verifier_passes_bfloat16_serving(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """arl's `model.dtype=bfloat16` reaches SGLang's `--dtype`; the judge's model runs in bf16 and its probe is within
+    the Verifier's bf16 tolerance of the trainer's fp32 reference, yet not equal to it."""
+    port = free_port("127.0.0.1")
+    argv = launch_argv(arl_sglang_config(tiny_model_dir, "model.dtype=bfloat16"), port, tiny_model_dir, 0)
+    judge = Judge(argv, port, tmp_path / "judge")
+    try:
+        verifier = Verifier(tiny_model_dir, "bfloat16", tied=True)
+        async with client(judge) as engine:
+            verdict = await verifier.check(engine, judge.url, verifier.expect(0, state_of(tiny_model_dir)))
+        assert verdict.ok, verdict
+        assert 1e-5 < verdict.probe_max_diff <= verifier.tol.logprob_atol, verdict
     finally:
         judge.stop()
