@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from hf_process import hf_server_process  # tests/integration is on sys.path (pytest)
 
 from pipeline.engine.net import free_port
 from pipeline.engine.server.hf import ServerHandle, start_hf_server
@@ -209,28 +209,8 @@ def process_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     hook pointed at a file no test has written yet. Yields its URL and that path."""
     workdir = tmp_path_factory.mktemp("verify_server")
     spec = workdir / "corrupt.json"
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "ARL_TEST_CORRUPT_WEIGHTS": str(spec)}
-    with open(workdir / "server.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.engine.server.hf", "--model-path", str(tiny_model_dir),
-                                 "--port", str(port), "--device", "cpu", "--seed", "0"],
-                                stdout=log, stderr=log, env=env)  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                assert proc.poll() is None, (workdir / "server.log").read_text()
-                assert time.monotonic() < deadline, "server did not become healthy"
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
-            yield url, spec
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+    with hf_server_process(tiny_model_dir, workdir / "server.log", {"ARL_TEST_CORRUPT_WEIGHTS": str(spec)}) as url:
+        yield url, spec
 
 
 def admin(url: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:

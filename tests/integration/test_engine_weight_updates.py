@@ -6,10 +6,6 @@ After each kind of update, returned logprobs must equal a teacher-forced pass of
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from hf_process import hf_server_process  # tests/integration is on sys.path (pytest)
 
 from pipeline.engine.client import EngineClient, EngineError
 from pipeline.engine.net import free_port
@@ -135,44 +132,8 @@ async def test_retract_pause_update_continue_switches_weights_mid_request(
 @pytest.fixture
 def subprocess_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
     """An hf server in its own process, so this test process can be the trainer (rank 0) of a real group."""
-    port = free_port()
-    log = open(tmp_path / "server.log", "w")  # noqa: SIM115
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.engine.server.hf",
-            "--model-path",
-            str(tiny_model_dir),
-            "--port",
-            str(port),
-            "--device",
-            "cpu",
-            "--seed",
-            "0",
-        ],
-        stdout=log,
-        stderr=log,
-        env=env,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            assert time.monotonic() < deadline, "server did not become healthy"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+    with hf_server_process(tiny_model_dir, tmp_path / "server.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from hf_process import hf_server_process  # tests/integration is on sys.path (pytest)
 
 from pipeline.engine.client import EngineClient
 from pipeline.engine.net import free_port
@@ -142,30 +143,8 @@ def test_buckets_keep_order_and_size() -> None:
 @pytest.fixture
 def server_process(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
     """An `hf` server in its own process, so that this process can be the trainer (rank 0) of a real group."""
-    port = free_port()
-    log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.engine.server.hf", "--model-path", str(tiny_model_dir),
-                                 "--port", str(port), "--device", "cpu", "--seed", "0"], cwd=REPO, stdout=log,
-                                stderr=subprocess.STDOUT)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while not _healthy(url):
-            assert proc.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, f"server not healthy: {log_path.read_text()[-3000:]}"
-            time.sleep(0.2)
+    with hf_server_process(tiny_model_dir, tmp_path / "server.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def broadcast_publisher(tmp_path: Path, url: str, model: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
