@@ -36,7 +36,8 @@ weights went wrong), recorded as `Corrupted`.
 
 The stand-in (`StandInScheduler`) replaces the batch bookkeeping and the sampler only. The next token is
 a deterministic function of the prompt, `sampling_seed` and position (letters A-Z, so text round-trips),
-with made-up logprobs (the sampled token first among its top logprobs); one decode step every 5 ms.
+with made-up logprobs (the sampled token first among its top logprobs); a prefill-only request (`max_new_tokens`
+0) gets SGLang's dummy token 0 with the model's logprob for it; one decode step every 5 ms.
 Modelled on SGLang's scheduler rather than run from it: the request's logprob start
 (`Scheduler._handle_generate_request`'s rule), pause (`in_place` holds the running batch, `retract` moves
 it to the waiting queue and counts a retraction; continue resumes both), abort (a queued request is
@@ -344,13 +345,17 @@ class StandInScheduler:
 
     def sample(self, req: Any) -> None:
         """The stand-in sampler: a deterministic letter token with made-up logprobs. The first step is the
-        prefill: the prompt's logprobs, where asked for, are the model's (`prefill_logprobs`)."""
+        prefill: the prompt's logprobs, where asked for, are the model's (`prefill_logprobs`). A prefill-only
+        request (`max_new_tokens` 0) samples nothing: SGLang's TP worker hands back token 0 with its logprob."""
         seed = req.sampling_params.sampling_seed
         position = len(req.output_ids)
         rng = random.Random(f"{list(req.origin_input_ids)}|{seed}|{position}")
         candidates = rng.sample(_LETTER_IDS, len(_LETTER_IDS))
         token = candidates[0]
         logprob = -0.25 - 0.01 * position
+        if req.is_prefill_only:
+            ids = list(req.origin_input_ids)
+            token, logprob = 0, float(self.model.prompt_logprobs(ids, len(ids) - 1, 1)[0, 0])
         req.output_ids.append(token)
         if req.return_logprob and position == 0:
             self.prefill_logprobs(req, token, logprob, candidates)
