@@ -99,7 +99,8 @@ def probe_ids(vocab_size: int, special: set[int], seed: int, length: int = PROBE
     """A fixed pseudo-random token sequence (the same for every version), avoiding special tokens: random
     ids reach many embedding rows and attention patterns, which a natural sentence would not."""
     rng = np.random.default_rng(seed)
-    pool = np.array([i for i in range(min(vocab_size, 50_000)) if i not in special])
+    # Not the last id either: SGLang reports a prompt token >= vocab_size - 1 as id 0 in its logprobs.
+    pool = np.array([i for i in range(min(vocab_size - 1, 50_000)) if i not in special])
     return [int(i) for i in rng.choice(pool, size=length, replace=False)]
 
 
