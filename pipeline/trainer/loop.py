@@ -194,12 +194,10 @@ class Trainer:
         """At start, publish the version resumed from (0: the initial model) to every registered server, even one
         already announced: it proves the servers hold what the trainer holds, and a trainer that died
         mid-publication left them paused, maybe half-updated, which only a verified publication ends."""
-        if self.publisher is None:
-            fsdp.barrier()
-            return
-        self._state_dict = self.backend.hf_state_dict()
+        if self.cfg.weight_sync == "nccl":
+            self._state_dict = self.backend.hf_state_dict()  # collective: every rank takes part
         weights = self.paths.checkpoint_dir(version) if version > 0 else Path(self.config.model.path)
-        self.publish(version, weights, Timings())
+        self.publish(version, weights, Timings())  # rank 0 publishes (disk: the verifier reads `weights`)
 
     def log_metrics(self, step: int, data: StepData, advantages: np.ndarray, updates: list[MinibatchStats],
                     timings: Timings) -> None:  # fmt: skip
