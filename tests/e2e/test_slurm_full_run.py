@@ -63,12 +63,16 @@ def sacct_state(job_id: str) -> str:
 
 
 def test_demo_under_slurm_survives_a_cancelled_trainer(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from pipeline.launch.launcher import finished_version
     from pipeline.paths import RunPaths
     from pipeline.shards import read_step
 
+    # Synchronous (max_staleness 0): each step's rollout waits for the previous version, so the trainer cannot
+    # run ahead and finish every step before the cancel lands (on a quiet machine it once did, and the resume
+    # then rightly found nothing to relaunch).
     overrides = [f"fileroot={tmp_path / 'runs'}", "experiment_name=slurm-e2e", "trial_name=t0",
                  f"num_steps={NUM_STEPS}", f"model.path={tiny_model_dir}", "rollout.batch_size=4",
-                 "rollout.group_size=4"]  # fmt: skip
+                 "rollout.group_size=4", "rollout.max_staleness=0"]  # fmt: skip
     config_path = REPO / "examples" / "demo.yaml"
     paths = RunPaths(tmp_path / "runs" / "slurm-e2e" / "t0")
 
@@ -79,6 +83,7 @@ def test_demo_under_slurm_survives_a_cancelled_trainer(tmp_path: Path, tiny_mode
 
     wait_until(lambda: bool(paths.complete_checkpoints()) and paths.complete_checkpoints()[-1] >= 1,
                "the trainer's first checkpoint", paths.root, timeout=900)  # fmt: skip
+    assert finished_version(paths) < NUM_STEPS, "the trainer finished before it could be cancelled"
     subprocess.run(["scancel", first["train"]], check=True)
     wait_until(lambda: sacct_state(first["train"]) == "CANCELLED", "the trainer's cancel", paths.root, timeout=60)
 
