@@ -45,6 +45,9 @@ GROUP_NAME = "arl-weights"
 Bucket = dict[str, torch.Tensor]
 Answer = dict[str, Any] | EngineError
 _ATTEMPTS = 3  # sends of one version over rebuilt groups before the transport gives up
+CONTROL_S = 30.0
+"""Deadline of the calls a healthy server answers at once (pause, continue, session and group calls, server
+info), when `trainer.publish_timeout_s` is longer: a stalled server is blamed within it, not after minutes."""
 
 
 @dataclass
@@ -87,10 +90,13 @@ class ServerCalls:
         self.runner.run(self.client.start(), timeout_s)
 
     def each(self, urls: list[str], method: str, path: str, body: Any = None) -> dict[str, Answer]:
-        """`path` on every server at once: each one's answer or error (the client's deadline bounds each)."""
+        """`path` on every server at once: each one's answer or error, within `trainer.publish_timeout_s` for
+        weight loads and the verification's calls, `CONTROL_S` for the others."""
         if not urls:
             return {}
-        return self.runner.run(self.client.call_each(urls, method, path, body), self.timeout_s + 30)
+        slow = path in ("/update_weights_from_disk", "/generate", "/get_weights_by_name")
+        deadline = self.timeout_s if slow else min(self.timeout_s, CONTROL_S)
+        return self.runner.run(self.client.call_each(urls, method, path, body, timeout_s=deadline), deadline + 30)
 
     def start(self, urls: list[str], method: str, path: str, body: Any) -> dict[str, concurrent.futures.Future[Any]]:
         """Start `path` on each server (its own future), for calls that must overlap the broadcast."""

@@ -164,16 +164,16 @@ class AdminCalls(abc.ABC):
 
     # -- per-server calls (the publisher decides server by server) -------------------------------
     async def call_each(
-        self, urls: list[str], method: str, path: str, body: Any = None
+        self, urls: list[str], method: str, path: str, body: Any = None, *, timeout_s: float | None = None
     ) -> dict[str, dict[str, Any] | EngineError]:
         """Call `path` on each of `urls` at once; each server's answer or its `EngineError` (never raises).
 
-        `body` may map each URL to its own body."""
+        `body` may map each URL to its own body; `timeout_s` replaces `admin_timeout_s` for these calls."""
         per_url = body if isinstance(body, dict) and urls and set(body) == set(urls) else None
 
         async def one(url: str) -> dict[str, Any] | EngineError:
             try:
-                return await self._admin(url, method, path, per_url[url] if per_url else body)
+                return await self._admin(url, method, path, per_url[url] if per_url else body, timeout_s=timeout_s)
             except EngineError as exc:
                 return exc
 
@@ -233,16 +233,19 @@ class AdminCalls(abc.ABC):
             )
         return {u: r for u, r in zip(urls, results, strict=True) if isinstance(r, dict)}
 
-    async def _admin(self, url: str, method: str, path: str, body: Any = None) -> dict[str, Any]:
+    async def _admin(
+        self, url: str, method: str, path: str, body: Any = None, *, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        deadline_s = self.admin_timeout_s if timeout_s is None else timeout_s
         try:
-            async with asyncio.timeout(self.admin_timeout_s):
+            async with asyncio.timeout(deadline_s):
                 async with self._http().request(method, f"{url}{path}", json=body) as resp:
                     await raise_for_status(resp, url)
                     text = await resp.text()
         except _CONNECTION_ERRORS as exc:
             raise EngineError(f"{url}{path}: {type(exc).__name__}: {exc}", server=url) from exc
         except TimeoutError:
-            raise EngineError(f"{url}{path} timed out after {self.admin_timeout_s:.0f}s", server=url) from None
+            raise EngineError(f"{url}{path} timed out after {deadline_s:.0f}s", server=url) from None
         data = json_or_text(text)
         if isinstance(data, dict) and data.get("success") is False:
             raise EngineError(f"{url}{path}: {data.get('message', data)}", status=resp.status, server=url)
