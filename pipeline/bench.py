@@ -104,35 +104,52 @@ def write_results(results: list[dict[str, Any]], failures: list[str], path: Path
     path = path or BENCH_DIR / "RESULTS.md"
     now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     sections = _existing_sections(path)
+    machine = machine_description()
     for result in results:
-        sections[result["name"]] = _section(result, now)
+        sections[result["name"]] = _section(result, now, machine)
     for name in failures:
         sections[name] = f"## {name}\n\nFailed in the run of {now} (see its output).\n"
-    note = "Written by `arl bench`; every ratio compares against a reference measured in the same run."
-    header = f"# Benchmark results\n\nMachine: {machine_description()}  \nLatest run: {now}  \n{note}\n"
+    note = (
+        "Written by `arl bench`; every ratio compares against a reference measured in the same run. Each "
+        "section names the machine and the date of its own run (`arl bench --only` reruns some sections)."
+    )
+    header = f"# Benchmark results\n\nLatest run: {now} on {machine}  \n{note}\n"
     write_text_atomic(path, "\n".join([header, *(sections[k] for k in sorted(sections))]))
     return path
 
 
-def _section(result: dict[str, Any], date: str) -> str:
+def _section(result: dict[str, Any], date: str, machine: str) -> str:
     # Scripts may print flat RESULT objects: every top-level scalar beyond the structured keys is a figure.
     figures = dict(result.get("figures", {}))
     figures.update({k: v for k, v in result.items() if k not in _STRUCTURED and not isinstance(v, dict | list)})
-    lines = [f"## {result['name']}", "", f"`{result['script']}` ({result['seconds']} s, {date}). "
-             f"Reference: {result.get('reference', '-')}", "", "| figure | value |", "| --- | --- |"]  # fmt: skip
+    run = f"{result['seconds']} s, {date}, {_MEASURED_ON}{machine}"
+    lines = [f"## {result['name']}", "", f"`{result['script']}` ({run}). Reference: {result.get('reference', '-')}",
+             "", "| figure | value |", "| --- | --- |"]  # fmt: skip
     lines += [f"| {k} | {_fmt(v)} |" for k, v in figures.items()]
     lines += [f"| ratio: {k} | {_fmt(v)} |" for k, v in result.get("ratios", {}).items()]
     lines += [f"| target: {k} | {v} |" for k, v in result.get("targets", {}).items()]
     return "\n".join(lines) + "\n"
 
 
+_MEASURED_ON = "measured on "
+
+
 def _existing_sections(path: Path) -> dict[str, str]:
+    """The sections of an existing RESULTS.md; one written before sections named their machine gets the
+    machine of that file's header (the machine of its run then)."""
     if not path.exists():
         return {}
+    text = path.read_text()
+    old_machine = next((line.removeprefix("Machine:").strip() for line in text.splitlines()
+                        if line.startswith("Machine:")), None)  # fmt: skip
     sections: dict[str, str] = {}
-    for chunk in path.read_text().split("\n## ")[1:]:
+    for chunk in text.split("\n## ")[1:]:
         name = chunk.split("\n", 1)[0].strip()
-        sections[name] = "## " + chunk.rstrip("\n") + "\n"
+        section = "## " + chunk.rstrip("\n") + "\n"
+        if old_machine and _MEASURED_ON not in section:
+            head, sep, rest = section.partition(")")
+            section = f"{head}, {_MEASURED_ON}{old_machine}{sep}{rest}" if sep else section
+        sections[name] = section
     return sections
 
 

@@ -50,8 +50,6 @@ def naming_write_errors(target: str | Path) -> Iterator[None]:
         raise PublishError(f"could not write {target}: {exc}{_HINT}") from exc
 
 
-
-
 def fsync_dir(path: Path) -> None:
     """Persist a rename: without syncing the parent, a crash can forget the new name."""
     fd = os.open(path, os.O_RDONLY)

@@ -115,6 +115,11 @@ class RunPaths:
     def rollout_state(self) -> Path:
         return self.state / "rollout_cursor.json"
 
+    @property
+    def pending_metrics(self) -> Path:
+        """The metrics row of the step whose version is being published (logged once the publication ends)."""
+        return self.state / "trainer" / "pending_metrics.json"
+
     def trainer_state_dir(self, version: int) -> Path:
         """Optimizer/scheduler/RNG state that goes with checkpoint `version`."""
         return self.state / "trainer" / step_name(version)

@@ -262,8 +262,7 @@ class SessionTree:
         shown = ", ".join(repr(k) for k in known[-5:])
         more = f" (last 5 of {len(known)})" if len(known) > 5 else ""
         return (
-            f"no interaction {interaction_id!r} in session {self.session_id!r}; "
-            f"known ids{more}: {shown or 'none yet'}"
+            f"no interaction {interaction_id!r} in session {self.session_id!r}; known ids{more}: {shown or 'none yet'}"
         )
 
 
@@ -280,9 +279,7 @@ def _check_interaction(interaction: Interaction, session_id: str) -> None:
     if len(set(lengths.values())) != 1:
         raise TrajectoryError(f"{where}: output lists differ in length: {lengths}")
     if interaction.finish_reason not in FINISH_REASONS:
-        raise TrajectoryError(
-            f"{where}: finish_reason {interaction.finish_reason!r} not in {sorted(FINISH_REASONS)}"
-        )
+        raise TrajectoryError(f"{where}: finish_reason {interaction.finish_reason!r} not in {sorted(FINISH_REASONS)}")
     if interaction.reward is not None and not math.isfinite(interaction.reward):
         raise TrajectoryError(f"{where}: reward must be finite, got {interaction.reward!r}")
     if any(v < 0 for v in interaction.output_versions):

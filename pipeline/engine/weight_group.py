@@ -65,14 +65,19 @@ def broadcast_from_trainer(group: Any, tensors: list[torch.Tensor]) -> None:
 
 
 def receive_from_trainer(
-    group: Any, dtypes: list[str], shapes: list[list[int]], device: torch.device | str
+    group: Any,
+    dtypes: list[str],
+    shapes: list[list[int]],
+    device: torch.device | str,
+    into: list[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
-    """Ranks > 0: receive one tensor per (dtype, shape), in order."""
+    """Ranks > 0: receive one tensor per (dtype, shape), in order; into `into[i]` where given (it must fit)."""
     import torch.distributed as dist
 
     received = []
-    for dtype, shape in zip(dtypes, shapes, strict=True):
-        tensor = torch.empty(shape, dtype=parse_dtype(dtype), device=device)
+    for i, (dtype, shape) in enumerate(zip(dtypes, shapes, strict=True)):
+        buffer = into[i] if into is not None else None
+        tensor = buffer if buffer is not None else torch.empty(shape, dtype=parse_dtype(dtype), device=device)
         dist.broadcast(tensor, src=0, group=group)
         received.append(tensor)
     return received

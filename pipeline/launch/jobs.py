@@ -75,8 +75,9 @@ def read_jobs(paths: RunPaths) -> dict[str, list[JobRecord]]:
                 for stage, entries in data.get("stages", {}).items()
             }
         except (ValueError, TypeError, AttributeError) as exc:
-            raise ArlError(f"{paths.jobs} is not a valid jobs file ({exc}); it is written only by `arl launch`") \
-                from None
+            raise ArlError(
+                f"{paths.jobs} is not a valid jobs file ({exc}); it is written only by `arl launch`"
+            ) from None
     for record in _self_recorded(paths):
         known = jobs.setdefault(record.stage, [])
         if all(r.job_id != record.job_id for r in known):  # the launcher's own record of a job wins

@@ -71,8 +71,8 @@ def torchrun_command(resources: StageResources, run_dir: Path, *, python: str | 
     stage = shlex.join(stage_argv("train", run_dir, python=python)[2:])  # from `pipeline.cli` on
     return (
         f"exec {shlex.quote(python)} -m torch.distributed.run --nnodes={resources.nodes} "
-        f"--nproc-per-node={procs} --rdzv-backend=c10d --rdzv-endpoint=\"$MASTER_ADDR:$MASTER_PORT\" "
-        f"--rdzv-id=\"$SLURM_JOB_ID\" -m {stage}"
+        f'--nproc-per-node={procs} --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" '
+        f'--rdzv-id="$SLURM_JOB_ID" -m {stage}'
     )
 
 

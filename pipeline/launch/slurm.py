@@ -51,8 +51,9 @@ def _executor(folder: Path, render: Callable[[str], str], plan: StagePlan) -> An
     try:
         executor = ArlSlurmExecutor(folder=folder)
     except RuntimeError as exc:  # submitit: "Could not detect srun"
-        raise ArlError(f"cannot submit to Slurm here ({exc}); run on a Slurm login node, or pass --executor local")\
-            from None
+        raise ArlError(
+            f"cannot submit to Slurm here ({exc}); run on a Slurm login node, or pass --executor local"
+        ) from None
     # submitit counts one task per node (what `srun --ntasks-per-node=1` starts) and uses `time`
     # for its timeout bookkeeping; every other option lives in the rendered script.
     executor.parameters.update(nodes=plan.resources.nodes, ntasks_per_node=1, time=plan.resources.time_min)

@@ -71,9 +71,7 @@ def slurm_states(job_ids: list[str]) -> dict[str, JobState]:
 
 
 def _scontrol_state(job: str) -> JobState:
-    fields = dict(
-        item.split("=", 1) for item in _run(["scontrol", "show", "job", "-o", job]).split() if "=" in item
-    )
+    fields = dict(item.split("=", 1) for item in _run(["scontrol", "show", "job", "-o", job]).split() if "=" in item)
     state = fields.get("JobState")
     if state is None:
         return JobState("UNKNOWN", alive=False, detail="not in squeue, sacct or scontrol")

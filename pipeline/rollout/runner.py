@@ -77,8 +77,7 @@ class SessionEngine:
             from openai import AsyncOpenAI
 
             # openai>=3 types the client as httpx2's but accepts a legacy httpx one at run time.
-            self._openai = AsyncOpenAI(base_url=self.base_url, api_key=self.api_key,
-                                       http_client=self.http_client)  # type: ignore[arg-type]
+            self._openai = AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, http_client=self.http_client)  # type: ignore[arg-type]
         return self._openai
 
     @property
@@ -150,7 +149,7 @@ def check_picklable(obj: Any, what: str) -> bytes:
         return pickle.dumps(obj)
     except Exception as exc:
         culprit = ""
-        for name, value in (vars(obj).items() if hasattr(obj, "__dict__") else []):
+        for name, value in vars(obj).items() if hasattr(obj, "__dict__") else []:
             try:
                 pickle.dumps(value)
             except Exception as inner:
@@ -203,10 +202,13 @@ class SubprocExecutor:
                                            f"{self.startup_timeout_s:g}s")  # fmt: skip
         except (EOFError, OSError) as exc:
             await asyncio.to_thread(worker.process.join, 5)
-            status, value = "init_error", (
-                f"worker process {worker.process.pid} exited during start-up (exit code {worker.process.exitcode}, "
-                f"{exc!r}); its traceback is on stderr. A spawned worker re-imports the main script: if you start "
-                "the rollout from your own script, guard it with `if __name__ == '__main__':`"
+            status, value = (
+                "init_error",
+                (
+                    f"worker process {worker.process.pid} exited during start-up (exit code {worker.process.exitcode}, "
+                    f"{exc!r}); its traceback is on stderr. A spawned worker re-imports the main script: if you start "
+                    "the rollout from your own script, guard it with `if __name__ == '__main__':`"
+                ),
             )
         if status == "ready":
             self.idle.put_nowait(worker)
@@ -229,8 +231,13 @@ class SubprocExecutor:
             reply = await asyncio.wait_for(_recv(worker.conn), timeout_s)
         except TimeoutError:
             self._replace(worker)
-            return RunReport(None, f"agent run timed out after {timeout_s:g}s (rollout.run_timeout_s); its worker "
-                             f"process {worker.process.pid} was killed and replaced", True, time.monotonic() - start)
+            return RunReport(
+                None,
+                f"agent run timed out after {timeout_s:g}s (rollout.run_timeout_s); its worker "
+                f"process {worker.process.pid} was killed and replaced",
+                True,
+                time.monotonic() - start,
+            )
         except (EOFError, OSError) as exc:
             code = worker.process.exitcode
             self._replace(worker)

@@ -5,7 +5,9 @@ complete checkpoint and trainer state; `--step N` redoes exactly step N from ver
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import logging
 import os
 import random
@@ -16,7 +18,7 @@ import numpy as np
 import torch
 
 from pipeline.errors import ArlError
-from pipeline.handoff import read_json, wait_for
+from pipeline.handoff import read_json, wait_for, write_json_atomic
 from pipeline.paths import RunPaths, step_name
 from pipeline.stage import StageContext
 from pipeline.trainer import checkpoint as ckpt
@@ -26,7 +28,7 @@ from pipeline.trainer.backend import MinibatchStats
 from pipeline.trainer.backends import make_backend
 from pipeline.trainer.data import StepData, load_step
 from pipeline.trainer.losses import LossOutput, TokenBatch, policy_loss
-from pipeline.trainer.metrics import Timings, open_sinks, peak_flops, step_metrics
+from pipeline.trainer.metrics import Timings, open_sinks, peak_flops, publish_figures, step_metrics
 from pipeline.trainer.packing import MicroBatch, plan_step
 from pipeline.trainer.publish import PublishOptions, make_publisher
 from pipeline.weight_version import write_weight_version
@@ -72,7 +74,7 @@ class Trainer:
             ckpt.clean_partial(self.paths)
         version = fsdp.broadcast_int(ckpt.resume_point(self.paths) if self.rank0 else 0)
         self.start_from(version)
-        self.ensure_published(version)
+        self.log_held_metrics(version, self.ensure_published(version))
         for step in range(version, self.config.num_steps):
             self.train_step(step)
         log.info("trained %d steps: version %d is the last", self.config.num_steps, self.config.num_steps)
@@ -104,8 +106,9 @@ class Trainer:
         updates = self.update(plan, timings)
         version = step + 1
         checkpoint = self.maybe_checkpoint(version, timings, force=rerun)
+        values = self.hold_metrics(step, data, advantages, updates, timings)
         self.publish(version, checkpoint, timings)
-        self.log_metrics(step, data, advantages, updates, timings)
+        self.log_metrics(step, values, timings)
 
     # -- the steps ------------------------------------------------------------------------------
     def start_from(self, version: int) -> None:
@@ -190,24 +193,59 @@ class Trainer:
         fsdp.barrier()
         timings.publish_s = time.perf_counter() - t0
 
-    def ensure_published(self, version: int) -> None:
+    def ensure_published(self, version: int) -> Timings:
         """At start, publish the version resumed from (0: the initial model) to every registered server, even one
         already announced: it proves the servers hold what the trainer holds, and a trainer that died
         mid-publication left them paused, maybe half-updated, which only a verified publication ends."""
         if self.cfg.weight_sync == "nccl":
             self._state_dict = self.backend.hf_state_dict()  # collective: every rank takes part
         weights = self.paths.checkpoint_dir(version) if version > 0 else Path(self.config.model.path)
-        self.publish(version, weights, Timings())  # rank 0 publishes (disk: the verifier reads `weights`)
+        timings = Timings()
+        self.publish(version, weights, timings)  # rank 0 publishes (disk: the verifier reads `weights`)
+        return timings
 
-    def log_metrics(self, step: int, data: StepData, advantages: np.ndarray, updates: list[MinibatchStats],
-                    timings: Timings) -> None:  # fmt: skip
+    def hold_metrics(self, step: int, data: StepData, advantages: np.ndarray, updates: list[MinibatchStats],
+                     timings: Timings) -> dict[str, float]:  # fmt: skip
+        """The step's metrics row, kept in `state/` until its publication ends: a trainer stopped during the
+        publication resumes after this step (its checkpoint is complete) and logs the row then."""
         values = step_metrics(data, advantages, updates, timings, num_params=self.backend.num_params,
                               world_size=self.backend.world_size, peak=self.peak, version=step + 1)  # fmt: skip
+        if self.rank0:
+            write_json_atomic(self.paths.pending_metrics, {"step": step, "values": values})
+        return values
+
+    def log_held_metrics(self, version: int, timings: Timings) -> None:
+        """At start: log the row of step `version - 1` if its publication was cut short (with the publication
+        this trainer just made of that version); a held row of a step that will be redone is dropped."""
+        if not self.rank0 or not self.paths.pending_metrics.exists():
+            return
+        held = read_json(self.paths.pending_metrics)
+        if held.get("step") == version - 1 and version - 1 not in logged_steps(self.paths):
+            log.info("step %d's metrics were held by a publication that did not end; logged now", version - 1)
+            self.sinks.log(version - 1, {**held["values"], **publish_figures(timings)})
+        self.paths.pending_metrics.unlink(missing_ok=True)
+
+    def log_metrics(self, step: int, values: dict[str, float], timings: Timings) -> None:
+        values = {**values, **publish_figures(timings)}
         self.sinks.log(step, values)
+        if self.rank0:
+            self.paths.pending_metrics.unlink(missing_ok=True)
         log.info("step %d: loss %.4f reward %.3f grad_norm %.3f kl %.2e %.0f tok/s (wait %.1fs compute %.1fs "
                  "publish %.1fs)", step, values["loss"], values["reward_mean"], values["grad_norm"],
                  values.get("kl_behav_k3", 0.0), values["tokens_per_s"], timings.wait_s, timings.compute_s,
                  timings.publish_s)  # fmt: skip
+
+
+def logged_steps(paths: RunPaths) -> set[int]:
+    try:
+        lines = paths.train_metrics.read_text().splitlines()
+    except FileNotFoundError:
+        return set()
+    steps = set()
+    for line in lines:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            steps.add(int(json.loads(line)["step"]))
+    return steps
 
 
 def reduce_stats(stats: MinibatchStats) -> MinibatchStats:

@@ -51,6 +51,12 @@ class Timings:
     """Servers taken out during the publication (failed to update or verify) for the inference stage to recover."""
 
 
+def publish_figures(timings: Timings) -> dict[str, float]:
+    """The publication's part of a step's metrics row."""
+    return {"time_publish_s": timings.publish_s, "weight_sync_s": timings.weight_sync_s,
+            "verify_s": timings.verify_s, "servers_recovered": timings.servers_recovered}  # fmt: skip
+
+
 def step_metrics(
     data: StepData,
     advantages: np.ndarray,
@@ -98,10 +104,7 @@ def step_metrics(
         "time_wait_s": timings.wait_s,
         "time_compute_s": timings.compute_s,
         "time_checkpoint_s": timings.checkpoint_s,
-        "time_publish_s": timings.publish_s,
-        "weight_sync_s": timings.weight_sync_s,
-        "verify_s": timings.verify_s,
-        "servers_recovered": timings.servers_recovered,
+        **publish_figures(timings),
         "world_size": world_size,
     }
     out.update({k: v / trained for k, v in sums.items()})

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -144,7 +145,8 @@ class Publisher:
             log.info("version %d: no inference server registered; none was updated", version)
             return report
         tensors = state_dict if state_dict is not None else _read_checkpoint(checkpoint)
-        expected = self.verifier.expect(version, tensors) if self.verifier is not None else None
+        # The trainer's side of the check (a forward of the probe) runs while the tensors travel.
+        expected = self.calls.pool.submit(self.verifier.expect, version, tensors) if self.verifier else None
         sent = {k: v for k, v in tensors.items() if not (self.tied and k == "lm_head.weight")}
         if self.options.tamper is not None:
             sent = self.options.tamper(version, dict(sent))
@@ -172,7 +174,8 @@ class Publisher:
         return report
 
     def _round(self, version: int, pending: list[_Member], checkpoint: Path | None, sent: dict[str, torch.Tensor],
-               expected: Expected | None, verified: dict[str, _Member], report: PublishReport) -> None:  # fmt: skip
+               pending_expected: Future[Expected] | None, verified: dict[str, _Member],
+               report: PublishReport) -> None:  # fmt: skip
         """Pause, send and verify `pending`; add who verified to `verified`, take the others out."""
         t0 = time.perf_counter()
         urls = [m.url for m in pending]
@@ -186,6 +189,7 @@ class Publisher:
         early = [m.url for m in pending if m.url in outcome.ok and not m.scores_while_paused]
         self._resume(early, version)
         t1 = time.perf_counter()
+        expected = pending_expected.result() if pending_expected is not None else None
         verdicts = self._verify(outcome.ok, expected)
         report.verify_s += time.perf_counter() - t1
         report.weights_checked += sum(v.weights_checked for v in verdicts)

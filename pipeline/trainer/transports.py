@@ -85,6 +85,8 @@ class ServerCalls:
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self.runner = AsyncRunner()
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="arl-publish")
+        """Work that overlaps the transfer (the verifier's reference forward)."""
         self.client = EngineClient([], request_timeout_s=timeout_s, health_interval_s=0)
         self.client.admin_timeout_s = timeout_s
         self.runner.run(self.client.start(), timeout_s)
@@ -124,6 +126,7 @@ class ServerCalls:
         return {u: str(r) for u, r in self.each(urls, method, path, body).items() if isinstance(r, EngineError)}
 
     def close(self) -> None:
+        self.pool.shutdown(wait=True)
         try:
             self.runner.run(self.client.close(), 30)
         finally:

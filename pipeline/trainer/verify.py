@@ -24,6 +24,7 @@ probe per version, a small fraction of a swap (measured by `benchmarks/weight_sy
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import re
@@ -211,16 +212,20 @@ class Verifier:
         return None
 
     async def _compare_weights(self, client: Any, url: str, expected: Expected, verdict: Verdict) -> str | None:
-        for name, want in expected.weights.items():
-            try:
-                rows = await client.weights_by_name(url, name, WEIGHT_ROWS)
-            except EngineError as exc:
-                if exc.status in (400, 404) and (UNSUPPORTED in str(exc) or exc.status == 404):
+        names = list(expected.weights)
+        answers = await asyncio.gather(*(client.weights_by_name(url, n, WEIGHT_ROWS) for n in names),
+                                       return_exceptions=True)  # fmt: skip
+        for name, rows in zip(names, answers, strict=True):
+            want = expected.weights[name]
+            if isinstance(rows, EngineError):
+                if rows.status in (400, 404) and (UNSUPPORTED in str(rows) or rows.status == 404):
                     self.weights_supported[url] = False
                     verdict.weights_supported = False
-                    log.info("%s cannot show its weights (%s); its swaps are verified by the probe only", url, exc)
+                    log.info("%s cannot show its weights (%s); its swaps are verified by the probe only", url, rows)
                     return None
-                raise
+                raise rows
+            if isinstance(rows, BaseException):
+                raise rows
             verdict.weights_supported = self.weights_supported[url] = True
             got = torch.tensor(rows, dtype=torch.float32)
             if got.shape != want.shape:

@@ -120,6 +120,43 @@ def test_a_dead_server_is_taken_out_and_the_version_waits_for_it(make_train_run,
     assert httpx.get(server.url + "/server_info").json()["paused"] is not None  # never resumed on its own
 
 
+def test_a_step_whose_publication_failed_is_logged_once_by_the_resumed_trainer(
+    make_train_run, server: ServerHandle, tiny_model_dir: Path
+) -> None:
+    """The trainer stops in the publication of version 1, after its checkpoint is complete: a resume starts
+    past step 0, so step 0's metrics row, held in state/, is logged by the resumed trainer, once."""
+    overrides = [*OVERRIDES, "trainer.weight_sync=disk", "trainer.publish_timeout_s=3"]
+    paths = make_train_run(steps=[], overrides=overrides)
+    register(paths, "s0", server.url, tiny_model_dir)
+    failed: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            run_trainer(StageContext.from_run_dir("train", paths.root))
+        except BaseException as exc:
+            failed.append(exc)
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    deadline = time.monotonic() + 120
+    while not paths.weight_version.exists():  # the start publication (version 0) went through
+        assert time.monotonic() < deadline and trainer.is_alive(), failed
+        time.sleep(0.1)
+    register(paths, "s1", f"http://127.0.0.1:{free_port()}", tiny_model_dir)  # dead: version 1 cannot verify on it
+    make_train_run(steps=[0], overrides=overrides)
+    trainer.join(timeout=300)
+    assert failed and "verified on 1 server(s), 2 needed" in str(failed[0])
+    assert paths.checkpoint_marker(1).exists() and not paths.train_metrics.exists()
+    assert read_json(paths.pending_metrics)["step"] == 0
+
+    (paths.inference_registry / "s1.json").unlink()  # what the inference stage does with a server taken out
+    paths.quarantine_entry("s1").unlink()
+    assert run_trainer(StageContext.from_run_dir("train", paths.root)) == 0
+    rows = [json.loads(line) for line in paths.train_metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0] and rows[0]["verify_s"] > 0 and not paths.pending_metrics.exists()
+    assert read_json(paths.weight_version)["version"] == 1
+
+
 def test_with_min_servers_the_live_servers_go_on(make_train_run, server: ServerHandle, tiny_model_dir: Path) -> None:
     paths = make_train_run(steps=[0], overrides=[*OVERRIDES, "trainer.weight_sync=disk", "inference.min_servers=1"])
     dead = f"http://127.0.0.1:{free_port()}"

@@ -31,3 +31,19 @@ def test_a_partial_run_keeps_the_other_sections(tmp_path: Path) -> None:
     assert "## alpha" in text and "| v | 1.000 |" in text
     assert text.count("## beta") == 1 and "| v | 3.000 |" in text and "| v | 2.000 |" not in text
     assert "## gamma" in text and "Failed" in text
+
+
+def test_each_section_names_the_machine_of_its_own_run(tmp_path: Path) -> None:
+    """A partial run on another machine must not relabel the sections measured elsewhere."""
+    out = tmp_path / "RESULTS.md"
+    old = ("# Benchmark results\n\nMachine: Old Xeon, 2 cores  \nLatest run: 2026-01-01 00:00 UTC  \nnote\n\n"
+           "## alpha\n\n`benchmarks/alpha.py` (1.0 s, 2026-01-01 00:00 UTC). Reference: -\n\n| figure | value |\n")
+    out.write_text(old)
+    write_results([_result("beta", figures={"v": 3.0})], [], out)
+    sections = out.read_text().split("\n## ")
+    alpha = next(s for s in sections if s.startswith("alpha"))
+    beta = next(s for s in sections if s.startswith("beta"))
+    assert "measured on Old Xeon, 2 cores)" in alpha
+    assert "measured on " in beta and "Old Xeon" not in beta
+    write_results([_result("beta", figures={"v": 4.0})], [], out)  # a second partial run changes nothing else
+    assert out.read_text().count("measured on Old Xeon") == 1

@@ -31,7 +31,7 @@ import torch
 
 from pipeline.engine.server.batcher import Scheduler
 from pipeline.engine.server.requests import RequestError
-from pipeline.engine.server.weights import apply_named_tensors, check_named_tensors, read_checkpoint
+from pipeline.engine.server.weights import apply_named_tensors, check_named_tensors, read_checkpoint, swap_named_tensors
 from pipeline.engine.weight_group import destroy_weight_group, init_weight_group, parse_dtype, receive_from_trainer
 from schemas.engine_api import InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput
 
@@ -47,6 +47,9 @@ class StagedUpdate:
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     abort_all: bool = False
+    spare: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per parameter, the storage it had before the last broadcast swapped it out: the next version is
+    received into it (no allocation and no copy, for one spare copy of the broadcast weights in memory)."""
     """Some bucket asked `abort_all_requests`: the requests in flight are aborted when they are applied."""
 
     def take(self) -> tuple[dict[str, torch.Tensor], bool]:
@@ -126,7 +129,8 @@ class WeightUpdates:
             dropped = self._discard(f"a bucket was refused: {exc}")
             raise RequestError(f"{exc}{_dropped_note(dropped)}") from None
         try:  # beside the scheduler: generation goes on while the bucket arrives
-            received = await asyncio.to_thread(receive_from_trainer, group, body.dtypes, body.shapes, self.device)
+            into = [self._spare(n, d, s) for n, d, s in zip(body.names, body.dtypes, body.shapes, strict=True)]
+            received = await asyncio.to_thread(receive_from_trainer, group, body.dtypes, body.shapes, self.device, into)
         except Exception as exc:  # the group broke, a timeout, the trainer died: nothing of this version applies
             error = f"{type(exc).__name__}: {exc}"
             dropped = self._discard(f"receiving over group {body.group_name!r} failed: {error}")
@@ -173,9 +177,15 @@ class WeightUpdates:
         tensors, abort_all = self.staged.take()
         maybe_corrupt(tensors, version)
         try:
-            return await self._apply(tensors, version, abort_all)
+            return await self._apply(tensors, version, abort_all, swap=True)
         except ValueError as exc:
             raise RequestError(str(exc)) from None
+
+    def _spare(self, name: str, dtype: str, shape: list[int]) -> torch.Tensor | None:
+        """The spare storage of `name` when it fits what arrives (else the receive allocates)."""
+        spare = self.staged.spare.pop(name, None)
+        fits = spare is not None and spare.dtype == parse_dtype(dtype) and list(spare.shape) == list(shape)
+        return spare if fits else None
 
     def _discard(self, why: str) -> int:
         """Drop what the session staged (logged with `why`); returns how many tensors."""
@@ -184,9 +194,12 @@ class WeightUpdates:
             log.error("discarded %d staged tensors, weights unchanged: %s", len(tensors), why)
         return len(tensors)
 
-    async def _apply(self, tensors: dict[str, Any], version: int | None, abort_all: bool) -> int:
-        """Copy `tensors` into the model between two scheduler steps (SGLang's update semantics)."""
-        apply = lambda: apply_named_tensors(self.model, tensors)  # noqa: E731
+    async def _apply(self, tensors: dict[str, Any], version: int | None, abort_all: bool, swap: bool = False) -> int:
+        """Load `tensors` into the model between two scheduler steps (SGLang's update semantics): copied, or
+        (`swap`: received buffers of the parameters' own dtype) swapped in, the old storage kept as spare."""
+        spare = self.staged.spare
+        apply = (lambda: swap_named_tensors(self.model, tensors, spare)) if swap else (
+            lambda: apply_named_tensors(self.model, tensors))  # fmt: skip
         return int(await asyncio.wrap_future(self.scheduler.update(apply, version=version, abort_all=abort_all)))
 
 

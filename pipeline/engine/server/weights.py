@@ -39,7 +39,11 @@ def load_model(model_path: str | Path, *, device: torch.device, dtype: str) -> A
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
     model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[dtype])
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if device.type == "cpu":  # off the checkpoint's file mapping: the first weight update's copy took ~10x longer
+        for param in model.parameters():
+            param.data = param.data.clone()
+    return model
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -107,6 +111,21 @@ def apply_named_tensors(model: Any, named: dict[str, torch.Tensor]) -> int:
     for name, tensor in named.items():
         target = params[name]
         target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+    return len(named)
+
+
+@torch.no_grad()
+def swap_named_tensors(model: Any, named: dict[str, torch.Tensor], spare: dict[str, torch.Tensor]) -> int:
+    """Make each tensor the storage of its parameter when dtype, device and shape match (no copy: a 2 GB model
+    swaps in microseconds instead of a 0.2 s copy), keeping the old storage in `spare[name]`; copy the others.
+    A tied parameter is one object, so swapping it keeps it tied."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, tensor in named.items():
+        target = params[name]
+        if tensor.dtype == target.dtype and tensor.device == target.device and tensor.shape == target.shape:
+            spare[name], target.data = target.data, tensor
+        else:
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
     return len(named)
 
 
