@@ -18,13 +18,15 @@ All figures come from one run on one machine, so the ratios compare like with li
   timed with the others: they build the group and touch fresh memory on both sides (several times
   slower); the first is reported apart.
 * from each `PublishReport`: the swap (`sync_s`: pause and move the tensors) and the verification
-  (`verify_s`: the servers' probe and weight-sample checks). The publication's wall time also holds
-  the trainer's own reference forward of the probe and the resume. This process plays the trainer
+  (`verify_s`: the servers' probe and weight-sample checks, and any wait for the trainer's own
+  reference forward of the probe, which runs while the tensors travel). The 0.5B model is also
+  broadcast with verification off, which times the transport alone: on 2 cores the overlapping
+  reference forward competes with gloo for the CPU. This process plays the trainer
   with `OMP_WAIT_POLICY=PASSIVE` like the server (unless set otherwise): with spinning OpenMP
   workers the trainer's probe forward and the broadcast compete for the cores, several times slower.
 
-Ratios: broadcast efficiency = swap-time bandwidth of the 0.5B broadcast / gloo bandwidth
-(preallocated receive; target >= 0.70); verify / swap for both models (target <= 0.10). Figures
+Ratios: broadcast efficiency = swap-time bandwidth of the 0.5B broadcast without verification / gloo
+bandwidth (preallocated receive; target >= 0.70; the same with the verifying publisher is reported too); verify / swap for both models (target <= 0.10). Figures
 are medians over the timed repeats. Usage: `python benchmarks/weight_sync.py [--quick]` (`--quick`:
 a 64 MiB tensor, a ~0.05B model, fewer repeats). Prints a table, then `RESULT {...}` for `arl bench`.
 """
@@ -95,6 +97,9 @@ class Publication:
     bytes_sent: int
     broadcast_first_s: float = 0.0
     broadcast: Runs = field(default_factory=Runs)
+    unverified: Runs = field(default_factory=Runs)
+    """Broadcast with `trainer.verify: false`: the transport alone (on 2 cores the verifying publisher's
+    reference forward, which overlaps the transfer, competes with gloo for the CPU)."""
     disk: Runs = field(default_factory=Runs)
     checkpoint_s: list[float] = field(default_factory=list)
 
@@ -243,6 +248,15 @@ def publish_model(name: str, model_dir: Path, workdir: Path, repeats: int) -> Pu
                         pub.broadcast.add(wall, report)
             finally:
                 publisher.close()
+            publisher = make_publisher("nccl", paths, TIMEOUT_S, tied, PublishOptions())  # no verification
+            try:
+                for i in range(1 + repeats):
+                    version += 1
+                    wall, report = timed_publish(publisher, version, None, state_dict)
+                    if i >= 1:  # the first builds the group
+                        pub.unverified.add(wall, report)
+            finally:
+                publisher.close()
             publisher = make_publisher("disk", paths, TIMEOUT_S, tied, options)
             try:
                 for _ in range(repeats):
@@ -289,8 +303,11 @@ def summarize(bandwidth_s: dict[str, list[float]], tensor_mib: int, pubs: list[P
         key = f"{name} broadcast verify / swap <= {VERIFY_TARGET:.2f}"
         targets[key] = "met" if verify / swap <= VERIFY_TARGET else f"missed ({verify / swap:.2f})"
     large = pubs[-1]
-    effective = large.bytes_sent / statistics.median(large.broadcast.sync) / 1e9
-    efficiency = effective / gloo["preallocated"]
+    verifying = large.bytes_sent / statistics.median(large.broadcast.sync) / 1e9 / gloo["preallocated"]
+    ratios[f"{large.label} broadcast effective (verifying publisher) / gloo"] = round(verifying, 3)
+    unverified = statistics.median(large.unverified.sync)
+    figures[f"{large.label} broadcast swap s (trainer.verify false)"] = round(unverified, 3)
+    efficiency = large.bytes_sent / unverified / 1e9 / gloo["preallocated"]
     ratios[f"{large.label} broadcast effective / gloo (preallocated receive)"] = round(efficiency, 3)
     key = f"{large.label} broadcast effective / gloo (preallocated receive) >= {EFFICIENCY_TARGET:.2f}"
     targets[key] = "met" if efficiency >= EFFICIENCY_TARGET else f"missed ({efficiency:.2f})"
