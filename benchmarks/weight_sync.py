@@ -26,7 +26,8 @@ All figures come from one run on one machine, so the ratios compare like with li
   workers the trainer's probe forward and the broadcast compete for the cores, several times slower.
 
 Ratios: broadcast efficiency = swap-time bandwidth of the 0.5B broadcast without verification / gloo
-bandwidth (preallocated receive; target >= 0.70; the same with the verifying publisher is reported too); verify / swap for both models (target <= 0.10). Figures
+bandwidth (preallocated receive; target >= 0.70; the same with the verifying publisher is reported
+too); verify / swap for both models (target <= 0.10). Figures
 are medians over the timed repeats. Usage: `python benchmarks/weight_sync.py [--quick]` (`--quick`:
 a 64 MiB tensor, a ~0.05B model, fewer repeats). Prints a table, then `RESULT {...}` for `arl bench`.
 """

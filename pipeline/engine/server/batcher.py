@@ -32,46 +32,17 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pipeline.engine.server.backend import Progress
 from pipeline.engine.server.kvbatch import KVBatch, cache_tensors, dynamic_cache, left_pad
-from pipeline.engine.server.requests import PromptLogprobs
-from pipeline.engine.server.sampling import RowSampling, prompt_logprobs, sample_batch
-from pipeline.engine.tokens import TopEntry
-from schemas.engine_api import VERIFY_RID_PREFIX
+from pipeline.engine.server.sampling import prompt_logprobs, sample_batch
+from pipeline.engine.server.sequences import GenRequest, Seq, is_probe, wants_prompt_scored
 
 log = logging.getLogger("arl.engine.batcher")
-
-
-@dataclass
-class GenRequest:
-    rid: str
-    input_ids: list[int]
-    max_new_tokens: int
-    sampling: RowSampling
-    stop_token_ids: set[int]
-    stop_strings: list[str]
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue[Progress]
-    logprob_start_len: int = -1
-    """Score the prompt from this position on (SGLang's input logprobs); -1: no."""
-
-
-@dataclass
-class _Seq:
-    req: GenRequest
-    output: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top: list[TopEntry] = field(default_factory=list)
-    emitted: int = 0
-    finish: dict[str, Any] | None = None
-    prompt: PromptLogprobs | None = None
-    """The scored prompt, once computed (a retracted request keeps it: it is not scored twice)."""
-    prompt_sent: bool = False
 
 
 @dataclass
@@ -113,12 +84,12 @@ class Scheduler:
             self.generator.seed()
         self.paused: str | None = None
         self.error: BaseException | None = None
-        self._waiting: deque[_Seq] = deque()
-        self._running: list[_Seq] = []
+        self._waiting: deque[Seq] = deque()
+        self._running: list[Seq] = []
         self._batch: KVBatch | None = None
         self._updates: list[_Update] = []
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
-        self._outbox: list[tuple[_Seq, Progress]] = []
+        self._outbox: list[tuple[Seq, Progress]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
@@ -140,7 +111,7 @@ class Scheduler:
 
     def submit(self, req: GenRequest) -> None:
         with self._lock:
-            self._waiting.append(_Seq(req))
+            self._waiting.append(Seq(req))
         self._wake.set()
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
@@ -245,16 +216,16 @@ class Scheduler:
 
     def _admit(self) -> bool:
         free = self.max_batch_size - len(self._running)
-        fresh: list[_Seq] = []
+        fresh: list[Seq] = []
         with self._lock:
             while self._waiting and len(fresh) < free:
                 seq = self._waiting.popleft()
                 if seq.finish is None:
                     fresh.append(seq)
-        scoring = [s for s in fresh if _wants_prompt_scored(s)]
-        for seq in [s for s in fresh if s.req.max_new_tokens == 0 and not _wants_prompt_scored(s)]:
+        scoring = [s for s in fresh if wants_prompt_scored(s)]
+        for seq in [s for s in fresh if s.req.max_new_tokens == 0 and not wants_prompt_scored(s)]:
             self._finish(seq, {"type": "length", "length": 0})
-        plain = [s for s in fresh if s.finish is None and not _wants_prompt_scored(s)]
+        plain = [s for s in fresh if s.finish is None and not wants_prompt_scored(s)]
         if plain:
             self._guarded(lambda: self._prefill(plain), plain)
         for seq in scoring:  # one at a time: only its scored positions' logits are kept
@@ -266,7 +237,7 @@ class Scheduler:
         """While paused: run the trainer's verification probes (they generate nothing, so no request sees
         weights before the trainer has checked them); everything else keeps waiting."""
         with self._lock:
-            probes = [s for s in self._waiting if s.finish is None and _is_probe(s)]
+            probes = [s for s in self._waiting if s.finish is None and is_probe(s)]
             for seq in probes:
                 self._waiting.remove(seq)
         for seq in probes:
@@ -274,7 +245,7 @@ class Scheduler:
             self._guarded(lambda: self._prefill([seq], keep=keep), [seq])  # noqa: B023 (called at once)
         return bool(probes)
 
-    def _prefill(self, fresh: list[_Seq], keep: int = 1) -> None:
+    def _prefill(self, fresh: list[Seq], keep: int = 1) -> None:
         """Prefill `fresh` and sample their first tokens; `keep` > 1 (one sequence): score its prompt too."""
         ids, mask = left_pad([s.req.input_ids + s.output for s in fresh], self.pad_id, self.device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -287,7 +258,7 @@ class Scheduler:
             logits_to_keep=max(keep, 1),
         )
         for row, seq in enumerate(fresh):
-            if _wants_prompt_scored(seq):
+            if wants_prompt_scored(seq):
                 seq.prompt = prompt_logprobs(
                     out.logits[row], seq.req.input_ids, seq.req.logprob_start_len, seq.req.sampling.top_logprobs_num
                 )
@@ -316,7 +287,7 @@ class Scheduler:
         self._sample(self._running, out.logits[:, -1])
         self._drop_finished()
 
-    def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+    def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:
         out = sample_batch(
             logits,
             [s.req.sampling for s in seqs],
@@ -334,7 +305,7 @@ class Scheduler:
             else:
                 self._outbox.append((seq, self._progress(seq)))
 
-    def _check_finish(self, seq: _Seq, token: int) -> dict[str, Any] | None:
+    def _check_finish(self, seq: Seq, token: int) -> dict[str, Any] | None:
         req = seq.req
         if token in req.stop_token_ids:
             return {"type": "stop", "matched": token}
@@ -357,7 +328,7 @@ class Scheduler:
             if any(s.finish is not None for s in self._waiting):
                 self._waiting = deque(s for s in self._waiting if s.finish is None)
 
-    def _guarded(self, step: Callable[[], None], seqs: list[_Seq] | None = None) -> None:
+    def _guarded(self, step: Callable[[], None], seqs: list[Seq] | None = None) -> None:
         """Run a forward step; if it fails, abort the sequences involved (not the whole server)."""
         try:
             step()
@@ -378,7 +349,7 @@ class Scheduler:
         self._running, self._batch = [], None
 
     # -- delivery ---------------------------------------------------------------------------
-    def _progress(self, seq: _Seq) -> Progress:
+    def _progress(self, seq: Seq) -> Progress:
         start, seq.emitted = seq.emitted, len(seq.output)
         prompt = None if seq.prompt_sent else seq.prompt
         seq.prompt_sent = seq.prompt_sent or prompt is not None
@@ -386,7 +357,7 @@ class Scheduler:
             seq.output[start:], seq.logprobs[start:], self.weight_version, seq.finish, seq.top[start:], prompt
         )
 
-    def _finish(self, seq: _Seq, finish: dict[str, Any]) -> None:
+    def _finish(self, seq: Seq, finish: dict[str, Any]) -> None:
         if seq.finish is not None:
             return
         seq.finish = finish
@@ -419,14 +390,6 @@ class Scheduler:
         for _, future in commands:
             future.set_exception(RuntimeError(message))
         self._flush()
-
-
-def _is_probe(seq: _Seq) -> bool:
-    return seq.req.rid.startswith(VERIFY_RID_PREFIX) and seq.req.max_new_tokens == 0 and _wants_prompt_scored(seq)
-
-
-def _wants_prompt_scored(seq: _Seq) -> bool:
-    return seq.req.logprob_start_len >= 0 and seq.prompt is None
 
 
 def _deliver(items: list[tuple[asyncio.Queue[Progress], Progress]]) -> None:

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.engine.server.backend import Check, Progress, model_info_body
-from pipeline.engine.server.batcher import GenRequest, Scheduler
+from pipeline.engine.server.batcher import Scheduler
 from pipeline.engine.server.hf_weights import StagedUpdate, WeightUpdates
 from pipeline.engine.server.requests import Limits, WorkItem, stop_token_ids
 from pipeline.engine.server.sampling import RowSampling
+from pipeline.engine.server.sequences import GenRequest
 from pipeline.engine.server.weights import eos_token_ids, load_model, load_tokenizer, resolve_device
 from schemas.engine_api import SamplingParams
 

@@ -1,0 +1,51 @@
+"""What the `hf` engine's scheduler (`batcher.py`) keeps per request: the request and its sequence's state."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.engine.server.backend import Progress
+from pipeline.engine.server.requests import PromptLogprobs
+from pipeline.engine.server.sampling import RowSampling
+from pipeline.engine.tokens import TopEntry
+from schemas.engine_api import VERIFY_RID_PREFIX
+
+
+@dataclass
+class GenRequest:
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    sampling: RowSampling
+    stop_token_ids: set[int]
+    stop_strings: list[str]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[Progress]
+    logprob_start_len: int = -1
+    """Score the prompt from this position on (SGLang's input logprobs); -1: no."""
+
+
+@dataclass
+class Seq:
+    """One request's sequence in the scheduler: its output so far and what was sent of it."""
+
+    req: GenRequest
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[TopEntry] = field(default_factory=list)
+    emitted: int = 0
+    finish: dict[str, Any] | None = None
+    prompt: PromptLogprobs | None = None
+    """The scored prompt, once computed (a retracted request keeps it: it is not scored twice)."""
+    prompt_sent: bool = False
+
+
+def is_probe(seq: Seq) -> bool:
+    """The trainer's verification probe: the one request run while generation is paused."""
+    return seq.req.rid.startswith(VERIFY_RID_PREFIX) and seq.req.max_new_tokens == 0 and wants_prompt_scored(seq)
+
+
+def wants_prompt_scored(seq: Seq) -> bool:
+    return seq.req.logprob_start_len >= 0 and seq.prompt is None
