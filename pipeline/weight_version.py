@@ -14,7 +14,7 @@ from schemas.weight_version import WeightVersion
 
 
 def write_weight_version(paths: RunPaths, version: int, checkpoint: Path | None) -> WeightVersion:
-    """Announce `version` (every server confirmed it) atomically; `checkpoint` is stored run-dir relative."""
+    """Announce `version` (the servers verified it) atomically; `checkpoint` is stored run-dir relative."""
     rel = str(checkpoint.relative_to(paths.root)) if checkpoint is not None else None
     now = datetime.now(UTC)
     now = now.replace(microsecond=now.microsecond // 1000 * 1000)  # the file keeps milliseconds
