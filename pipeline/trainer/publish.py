@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from pipeline.engine.registry import read_entries
+from pipeline.engine.server.weights import read_checkpoint
 from pipeline.errors import ArlError
 from pipeline.handoff import write_json_atomic
 from pipeline.paths import RunPaths
@@ -144,7 +145,7 @@ class Publisher:
         if not members:
             log.info("version %d: no inference server registered; none was updated", version)
             return report
-        tensors = state_dict if state_dict is not None else _read_checkpoint(checkpoint)
+        tensors = state_dict if state_dict is not None else read_checkpoint(_required(checkpoint))
         # The trainer's side of the check (a forward of the probe) runs while the tensors travel.
         expected = self.calls.pool.submit(self.verifier.expect, version, tensors) if self.verifier else None
         sent = {k: v for k, v in tensors.items() if not (self.tied and k == "lm_head.weight")}
@@ -266,12 +267,7 @@ def make_publisher(kind: str, paths: RunPaths, timeout_s: float, tied_embeddings
     return Publisher(kind, paths, timeout_s, tied_embeddings, options)
 
 
-def _read_checkpoint(checkpoint: Path | None) -> dict[str, torch.Tensor]:
+def _required(checkpoint: Path | None) -> Path:
     if checkpoint is None:
         raise ValueError("publishing needs the state dict or a checkpoint directory")
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(checkpoint.glob("*.safetensors")):
-        tensors.update(load_file(str(file)))
-    return tensors
+    return checkpoint

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import socket
 import threading
@@ -35,7 +34,7 @@ from pipeline.engine.client import EngineClient, EngineError
 from pipeline.engine.net import free_port
 from pipeline.engine.weight_group import broadcast_from_trainer, destroy_weight_group, dtype_name, init_weight_group
 from pipeline.errors import ArlError
-from pipeline.handoff import write_json_atomic
+from pipeline.handoff import read_json, write_json_atomic
 from pipeline.paths import RunPaths
 
 log = logging.getLogger("arl.trainer.publish")
@@ -318,8 +317,8 @@ class BroadcastTransport:
 
 def _previous_group(paths: RunPaths) -> str | None:
     try:
-        record = json.loads(paths.weight_sync.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        record = read_json(paths.weight_sync)
+    except (FileNotFoundError, ValueError):  # none yet, or a torn hand edit: no group to leave
         return None
     return str(record.get("group_name") or "") or None
 

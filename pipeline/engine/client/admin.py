@@ -169,15 +169,11 @@ class AdminCalls(abc.ABC):
         """Call `path` on each of `urls` at once; each server's answer or its `EngineError` (never raises).
 
         `body` may map each URL to its own body; `timeout_s` replaces `admin_timeout_s` for these calls."""
-        per_url = body if isinstance(body, dict) and urls and set(body) == set(urls) else None
-
-        async def one(url: str) -> dict[str, Any] | EngineError:
-            try:
-                return await self._admin(url, method, path, per_url[url] if per_url else body, timeout_s=timeout_s)
-            except EngineError as exc:
-                return exc
-
-        return dict(zip(urls, await asyncio.gather(*(one(u) for u in urls)), strict=True))
+        results = await self._each(urls, method, path, body, timeout_s)
+        for result in results.values():
+            if isinstance(result, BaseException) and not isinstance(result, EngineError):
+                raise result  # not a server's answer: a bug to see, not a failure to report
+        return {u: r for u, r in results.items() if isinstance(r, dict | EngineError)}
 
     async def score_prompt(self, url: str, input_ids: list[int]) -> list[Any]:
         """SGLang's `meta_info.input_token_logprobs` of `input_ids` on one server: [logprob, id, text] per
@@ -215,13 +211,8 @@ class AdminCalls(abc.ABC):
     async def _fan_out(self, method: str, path: str, body: Any) -> dict[str, dict[str, Any]]:
         """Call `path` on every server at once; raise one error naming every server that failed."""
         urls = self._admin_urls()
-        per_url = body if isinstance(body, dict) and set(body) == set(urls) and urls else None
-
-        async def one(url: str) -> dict[str, Any]:
-            return await self._admin(url, method, path, per_url[url] if per_url else body)
-
-        results = await asyncio.gather(*(one(u) for u in urls), return_exceptions=True)
-        failed = {u: r for u, r in zip(urls, results, strict=True) if isinstance(r, BaseException)}
+        results = await self._each(urls, method, path, body, None)
+        failed = {u: r for u, r in results.items() if isinstance(r, BaseException)}
         if failed:
             detail = "; ".join(f"{u}: {e}" for u, e in failed.items())
             statuses = {e.status for e in failed.values() if isinstance(e, EngineError)}
@@ -231,7 +222,19 @@ class AdminCalls(abc.ABC):
                 status=status,
                 server=",".join(failed),
             )
-        return {u: r for u, r in zip(urls, results, strict=True) if isinstance(r, dict)}
+        return {u: r for u, r in results.items() if isinstance(r, dict)}
+
+    async def _each(
+        self, urls: list[str], method: str, path: str, body: Any, timeout_s: float | None
+    ) -> dict[str, dict[str, Any] | BaseException]:
+        """`path` on every server at once (`body` may map each URL to its own): each answer or exception."""
+        per_url = body if isinstance(body, dict) and urls and set(body) == set(urls) else None
+
+        async def one(url: str) -> dict[str, Any]:
+            return await self._admin(url, method, path, per_url[url] if per_url else body, timeout_s=timeout_s)
+
+        results = await asyncio.gather(*(one(u) for u in urls), return_exceptions=True)
+        return dict(zip(urls, results, strict=True))
 
     async def _admin(
         self, url: str, method: str, path: str, body: Any = None, *, timeout_s: float | None = None
