@@ -41,6 +41,19 @@ class InferenceConfig(Block):
     max_restarts: int = Field(3, ge=0)
     """Restarts per server by the inference stage (after a crash, or when the trainer took it out because a
     weight swap failed its verification); past this a server stays down."""
+    update_mode: Literal["wait", "interrupt"] = "interrupt"
+    """What a weight publication does with the requests in flight. `interrupt` (partial rollouts): generation
+    is paused, the weights are swapped and verified, and the same requests continue under the new version
+    (their tokens carry both versions). `wait`: the requests in flight finish under the old weights first
+    while new ones wait; no completion spans two versions, and the servers idle for the longest one."""
+    pause_mode: Literal["retract", "in_place"] = "retract"
+    """With `update_mode: interrupt`: `retract` recomputes the paused requests' KV cache from their tokens
+    under the new weights; `in_place` keeps the KV cache the old weights computed (cheaper, slightly off the
+    new policy; SGLang's `in_place`, vLLM's `keep`)."""
+    prefix_cache_mb: int = Field(256, ge=0)
+    """`hf` engine: memory for the KV cache of finished requests, reused by a later request that starts with
+    the same tokens (an agent's next turn prefills only its new suffix); least recently used entries are
+    evicted past it, everything is dropped at a weight update; 0 = off."""
 
 
 # Flags that add ranks the weight-broadcast group does not count (it holds the trainer and every server's

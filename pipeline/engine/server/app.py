@@ -125,13 +125,17 @@ async def _complete(backend: EngineBackend, item: WorkItem, text_in_logprobs: bo
     logprobs: list[float] = []
     top: list[TopEntry] = []
     prompt: PromptLogprobs | None = None
+    versions: list[int] = []
+    cached = 0
     last = Progress([], [], backend.weight_version)
     async with contextlib.aclosing(backend.generate(item, stream=False)) as progress:
         async for last in progress:
             ids += last.new_ids
             logprobs += last.new_logprobs
             top += last.new_top
+            versions += last.versions()
             prompt = prompt or last.prompt
+            cached = max(cached, last.cached_tokens)
     return response(
         item,
         ids,
@@ -142,6 +146,8 @@ async def _complete(backend: EngineBackend, item: WorkItem, text_in_logprobs: bo
         top_logprobs=top,
         text_in_logprobs=text_in_logprobs,
         prompt_logprobs=prompt,
+        versions=versions,
+        cached_tokens=cached,
     )
 
 
@@ -175,6 +181,8 @@ class _Chunks:
         self.logprobs: list[float] = []
         self.top_json: list[str] = []
         self.prompt: PromptLogprobs | None = None
+        self.versions: list[int] = []
+        self.cached = 0
 
     def add(self, event: Progress) -> str | None:
         """The event's JSON text, or None when it carries neither tokens nor the finish."""
@@ -183,6 +191,8 @@ class _Chunks:
         self.logprobs += event.new_logprobs
         self.top_json += [json.dumps(e) for e in top_entries(event.new_top, self.tokenizer, self.text_in_logprobs)]
         self.prompt = self.prompt or event.prompt
+        self.versions += event.versions()
+        self.cached = max(self.cached, event.cached_tokens)
         if not event.new_ids and event.finish is None:
             return None
         chunk = response(
@@ -194,6 +204,8 @@ class _Chunks:
             self.tokenizer,
             text_in_logprobs=self.text_in_logprobs,
             prompt_logprobs=self.prompt,
+            versions=self.versions,
+            cached_tokens=self.cached,
         )
         meta = chunk["meta_info"]
         with_top = meta.pop("output_top_logprobs", None) is not None

@@ -34,6 +34,14 @@ class Progress:
     """Top logprobs of the new tokens (empty unless the request set `top_logprobs_num`)."""
     prompt: PromptLogprobs | None = None
     """The scored prompt (`logprob_start_len` >= 0), on the first event of a completion only."""
+    new_versions: list[int] | None = None
+    """Per new token, the weight version that sampled it; None: every one `weight_version`."""
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (SGLang's `meta_info.cached_tokens`)."""
+
+    def versions(self) -> list[int]:
+        """The weight version of each new token."""
+        return list(self.new_versions) if self.new_versions is not None else [self.weight_version] * len(self.new_ids)
 
 
 @dataclass(frozen=True)

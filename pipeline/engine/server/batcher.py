@@ -297,6 +297,7 @@ class Scheduler:
         for seq, token, logprob, top in zip(seqs, out.tokens, out.logprobs, out.top, strict=True):
             seq.output.append(token)
             seq.logprobs.append(logprob)
+            seq.versions.append(self.weight_version)
             if top is not None:
                 seq.top.append(top)
             finish = self._check_finish(seq, token)
@@ -354,8 +355,9 @@ class Scheduler:
         prompt = None if seq.prompt_sent else seq.prompt
         seq.prompt_sent = seq.prompt_sent or prompt is not None
         return Progress(
-            seq.output[start:], seq.logprobs[start:], self.weight_version, seq.finish, seq.top[start:], prompt
-        )
+            seq.output[start:], seq.logprobs[start:], self.weight_version, seq.finish, seq.top[start:], prompt,
+            new_versions=seq.versions[start:],
+        )  # fmt: skip
 
     def _finish(self, seq: Seq, finish: dict[str, Any]) -> None:
         if seq.finish is not None:

@@ -42,6 +42,8 @@ class HFEngineConfig:
     """Stream deltas instead of SGLang's default cumulative `output_ids` / `text` (its flag of the same name)."""
     seed: int | None = None
     weight_group_timeout_s: float = 600.0
+    prefix_cache_mb: int = 256
+    """Memory for the KV cache of finished requests, reused by later requests sharing their prefix; 0: off."""
 
 
 class HFEngine(WeightUpdates):

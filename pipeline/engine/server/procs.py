@@ -55,7 +55,8 @@ def hf_command(config: ArlConfig, host: str, port: int, model_path: str, version
             "--max-batch-size", str(inf.max_batch_size), "--max-context", str(config.model.max_context),
             "--weight-version", str(version),
             # A trainer that dies or stalls mid-broadcast ends the receive within its own broadcast deadline.
-            "--weight-group-timeout-s", str(config.trainer.broadcast_timeout_s)]  # fmt: skip
+            "--weight-group-timeout-s", str(config.trainer.broadcast_timeout_s),
+            "--prefix-cache-mb", str(inf.prefix_cache_mb)]  # fmt: skip
     if config.model.tokenizer:
         argv += ["--tokenizer-path", config.model.tokenizer]
     return argv + list(inf.extra_args)

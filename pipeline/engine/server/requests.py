@@ -171,20 +171,26 @@ def response(
     text_in_logprobs: bool = False,
     include_text: bool = True,
     prompt_logprobs: PromptLogprobs | None = None,
+    versions: list[int] | None = None,
+    cached_tokens: int = 0,
 ) -> dict[str, Any]:
     """SGLang's response object for one completion (cumulative: everything produced so far).
 
     `prompt_logprobs`: the scored prompt (`item.logprob_start_len` >= 0), in `meta_info.input_token_logprobs`
     (and `input_top_logprobs` with top logprobs); None before the engine has scored it.
+    `versions`: the weight version of each output token, sent as arl's `meta_info.weight_version_spans`
+    (`version_spans`); SGLang's own `weight_version` is the newest.
     """
     meta: dict[str, Any] = {
         "id": item.rid,
         "finish_reason": finish,
         "prompt_tokens": len(item.input_ids),
         "completion_tokens": len(output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": cached_tokens,
         "weight_version": str(weight_version),
     }
+    if versions is not None:
+        meta["weight_version_spans"] = version_spans(versions)
     if item.return_logprob and item.logprob_start_len >= 0 and prompt_logprobs is not None:
         scored = item.input_ids[item.logprob_start_len :]
         meta["input_token_logprobs"] = [
@@ -230,3 +236,16 @@ def splice_top(body: str, positions: list[str]) -> str:
     if not body.endswith("}}"):
         raise ValueError("splice_top needs the JSON of a response() object (meta_info last)")
     return f'{body[:-2]}, "output_top_logprobs": [{", ".join(positions)}]}}}}'
+
+
+def version_spans(versions: list[int]) -> list[list[int]]:
+    """Run-length form of per-token versions: `[[first token index, version], ...]`, one entry per change.
+
+    `[[0, 3], [17, 4]]`: tokens 0-16 were sampled by version 3, tokens from 17 on by version 4. Empty for
+    no tokens. `expand_spans` is the inverse.
+    """
+    spans: list[list[int]] = []
+    for index, version in enumerate(versions):
+        if not spans or spans[-1][1] != version:
+            spans.append([index, int(version)])
+    return spans

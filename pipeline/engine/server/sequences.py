@@ -34,6 +34,8 @@ class Seq:
     req: GenRequest
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """The weight version that sampled each output token (a request paused across a swap holds two)."""
     top: list[TopEntry] = field(default_factory=list)
     emitted: int = 0
     finish: dict[str, Any] | None = None
