@@ -171,9 +171,11 @@ class AbortReq(_Strict):
 
 
 class PauseGenerationReqInput(_Strict):
-    mode: Literal["abort", "retract", "in_place"] = "abort"
+    mode: Literal["abort", "retract", "in_place", "wait"] = "abort"
     """`abort`: finish every running request now with finish_reason abort; `in_place` / `retract`:
-    stop decoding and keep requests to continue after `/continue_generation`."""
+    stop decoding and keep requests to continue after `/continue_generation`. `wait` (arl's engines only,
+    vLLM's mode of that name; SGLang refuses it): hold new requests, let those in flight finish, answer
+    once none runs."""
 
 
 class UpdateWeightFromDiskReqInput(_Strict):
