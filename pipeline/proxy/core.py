@@ -194,7 +194,7 @@ class Generator:
         for i, (iid, result) in enumerate(zip(ids, results, strict=True)):
             text, stop_string = self._output_text(result.output_ids, spec.stop)
             parsed = parse_text(prep.prefill + text, prep.tool_parser, self.reasoning_parser)
-            versions = [result.weight_version] * len(result.output_ids)
+            versions = result.output_versions or [result.weight_version] * len(result.output_ids)
             done = self._record(session, spec, prep, i, iid, result.output_ids, result.output_logprobs, versions,
                                 result.finish_reason, parsed, stop_string)  # fmt: skip
             done.top_logprobs = result.output_top_logprobs
@@ -279,7 +279,7 @@ class Generator:
                 ids.extend(chunk.new_ids)
                 logprobs.extend(chunk.new_logprobs)
                 top.extend(chunk.new_top_logprobs or [])
-                versions.extend([self._version(version)] * len(chunk.new_ids))
+                versions.extend(chunk.new_versions or [self._version(version)] * len(chunk.new_ids))
                 for event in parser.feed(stopper.push(detok.push(chunk.new_ids))):
                     events.append(event)
                     yield StreamItem(index, event)

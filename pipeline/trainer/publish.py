@@ -1,13 +1,18 @@
 """Weight publication: get version v onto the inference servers, prove it is there, then announce it.
 
 One publication (`Publisher.publish`), with every server registered (routable or not):
-1. pause generation everywhere (mode `retract`: no token is generated from half-updated weights);
+1. pause generation everywhere, so no token is generated from half-updated weights. `inference.update_mode`
+   says what happens to the requests in flight: `interrupt` pauses them (`inference.pause_mode`, `retract`
+   or `in_place`) and they continue under the new version, so their tokens carry two versions (partial
+   rollouts); `wait` (pause mode `wait`) answers once they have finished under the old one, new requests
+   waiting meanwhile. SGLang has no `wait` pause: it is sent the update unpaused, and its own lock holds
+   new requests until those in flight are done;
 2. move the tensors (`transports.py`: a disk reload, or a bucketed broadcast over a group, SGLang's
    protocol: begin -> buckets, the last carrying the version -> end);
 3. verify every server while it is still paused (`verify.py`: a probe's input log-probabilities and
    a sample of weights against the trainer's own, through SGLang's API; the probe generates nothing,
-   which arl's engines run while paused; a real SGLang server runs nothing while paused, so it is
-   resumed first and verified right after);
+   which arl's engines run while paused; a real SGLang server runs nothing while paused, nor does vLLM
+   holding requests frozen (`interrupt`), so those are resumed first and verified right after);
 4. a server that failed to update or verify is taken out: a request in `state/quarantine/` makes the
    inference stage deregister it, restart it from the newest checkpoint and register it again once
    it serves the announced version (docs/reliability.md); it stays paused until then, so it never
@@ -66,6 +71,10 @@ class PublishOptions:
     logprob_atol: float | None = None
     """The probe's tolerance (None: the dtype's default, `verify.TOLERANCES`)."""
     min_servers: int | None = None
+    update_mode: str = "interrupt"
+    """`interrupt`: pause the requests in flight (`pause_mode`), they continue under the new version;
+    `wait`: let them finish under the old one first (new requests wait)."""
+    pause_mode: str = "retract"
     on_bucket: Callable[[int, int], None] | None = None
     """Test seam: called with (version, bucket index) before each broadcast bucket (fault injection)."""
     tamper: Tamper | None = None
@@ -77,7 +86,13 @@ class PublishOptions:
         return cls(broadcast_timeout_s=trainer.broadcast_timeout_s, dtype=config.model.dtype, seed=trainer.seed,
                    verify_model=Path(config.model.path) if trainer.verify else None,
                    logprob_atol=trainer.verify_tolerance,
-                   min_servers=config.inference.min_servers)  # fmt: skip
+                   min_servers=config.inference.min_servers, update_mode=config.inference.update_mode,
+                   pause_mode=config.inference.pause_mode)  # fmt: skip
+
+    @property
+    def pause(self) -> str:
+        """The `/pause_generation` mode of a publication."""
+        return "wait" if self.update_mode == "wait" else self.pause_mode
 
 
 @dataclass
@@ -105,10 +120,14 @@ class _Member:
     started_at: float
     backend: str = "hf"
 
-    @property
-    def scores_while_paused(self) -> bool:
-        """arl's engines run a prefill-only probe while generation is paused; SGLang's scheduler runs nothing."""
-        return self.backend != "sglang"
+    def scores_while_paused(self, mode: str) -> bool:
+        """arl's engines run a prefill-only probe while generation is paused; SGLang's scheduler runs nothing,
+        nor does vLLM's while it holds requests frozen in place (every mode but `wait`)."""
+        return self.backend == "hf" or (self.backend == "vllm" and mode == "wait")
+
+    def pauses(self, mode: str) -> bool:
+        """SGLang has no `wait` pause: its weight update itself waits for the requests in flight."""
+        return not (self.backend == "sglang" and mode == "wait")
 
     @property
     def key(self) -> str:
@@ -180,14 +199,16 @@ class Publisher:
         """Pause, send and verify `pending`; add who verified to `verified`, take the others out."""
         t0 = time.perf_counter()
         urls = [m.url for m in pending]
-        failed = self.calls.failures(urls, "POST", "/pause_generation", {"mode": "retract"})
+        mode = self.options.pause
+        paused = [m.url for m in pending if m.pauses(mode)]
+        failed = self.calls.failures(paused, "POST", "/pause_generation", {"mode": mode})
         live = [u for u in urls if u not in failed]
         outcome = self.transport.send(version, live, checkpoint, buckets(sent, BUCKET_BYTES)) if live else Outcome()
         failed.update(outcome.failed)
         report.sync_s += time.perf_counter() - t0
         # A real SGLang server scores nothing while paused: it resumes first and is verified right after
         # (docs/reliability.md: the one window in which it may answer from unverified weights).
-        early = [m.url for m in pending if m.url in outcome.ok and not m.scores_while_paused]
+        early = [m.url for m in pending if m.url in outcome.ok and not m.scores_while_paused(mode)]
         self._resume(early, version)
         t1 = time.perf_counter()
         expected = pending_expected.result() if pending_expected is not None else None

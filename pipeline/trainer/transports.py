@@ -95,7 +95,8 @@ class ServerCalls:
         weight loads and the verification's calls, `CONTROL_S` for the others."""
         if not urls:
             return {}
-        slow = path in ("/update_weights_from_disk", "/generate", "/get_weights_by_name")
+        # A pause with mode `wait` answers once the longest request in flight has finished.
+        slow = path in ("/update_weights_from_disk", "/generate", "/get_weights_by_name") or body == {"mode": "wait"}
         deadline = self.timeout_s if slow else min(self.timeout_s, CONTROL_S)
         return self.runner.run(self.client.call_each(urls, method, path, body, timeout_s=deadline), deadline + 30)
 

@@ -71,3 +71,19 @@ class ArlConfig(Block):
                     {"flag": flag, "value": value},
                 )
         return self
+
+    @model_validator(mode="after")
+    def _sglang_waits_for_disk_only(self) -> ArlConfig:
+        """SGLang has no pause that lets requests finish: with `update_mode: wait` the trainer sends the update
+        unpaused and SGLang's own lock holds new requests until those in flight are done. That holds for one
+        call (a disk load), not across a broadcast's buckets, between which requests would run on half-new
+        weights."""
+        inf = self.inference
+        if inf.backend == "sglang" and inf.update_mode == "wait" and self.trainer.weight_sync == "nccl":
+            raise PydanticCustomError(
+                UNSUPPORTED,
+                "inference.update_mode=wait with inference.backend=sglang needs trainer.weight_sync=disk: SGLang "
+                "cannot hold its requests across the buckets of a broadcast; use update_mode=interrupt for nccl",
+                {},
+            )
+        return self

@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 
-from pipeline.engine.tokens import TopEntry
+from pipeline.engine.tokens import TopEntry, expand_spans
 
 
 @dataclass
@@ -31,6 +31,10 @@ class GenerateResult:
     output_top_logprobs: list[TopEntry] | None = None
     """Per output token, the (logprob, token id) of the most likely tokens, most likely first;
     None unless the call asked for `top_logprobs_num` > 0."""
+    output_versions: list[int] = field(default_factory=list)
+    """Per output token, the weight version that sampled it: arl's engines report where it changed inside
+    the completion (`meta_info.weight_version_spans`); a server that reports one version per response
+    (SGLang) gets `weight_version` on every token."""
 
 
 @dataclass
@@ -44,6 +48,9 @@ class GenerateChunk:
     weight_version: int | None
     new_top_logprobs: list[TopEntry] | None = None
     """Top logprobs of `new_ids` (as in `GenerateResult.output_top_logprobs`); None unless asked for."""
+    new_versions: list[int] | None = None
+    """Per new token, the weight version that sampled it (from `meta_info.weight_version_spans`); None when
+    the server reports one version per chunk (SGLang): then `weight_version` is that chunk's."""
 
 
 class EngineError(Exception):
@@ -191,6 +198,7 @@ def result_from(data: dict[str, Any], url: str, top_logprobs_num: int = 0) -> Ge
         completion_tokens=int(meta.get("completion_tokens", len(ids))),
         server=url,
         output_top_logprobs=top,
+        output_versions=token_versions(meta, len(ids), url),
     )
 
 
@@ -221,6 +229,10 @@ def chunk_from(payload: dict[str, Any], state: StreamState) -> GenerateChunk | N
     if not new_ids and reason is None:
         return None
     version = meta.get("weight_version")
+    new_versions = None
+    if "weight_version_spans" in meta:
+        versions = token_versions(meta, total, "the stream")
+        new_versions = versions[len(state.ids) - len(new_ids) : len(state.ids)]
     return GenerateChunk(
         new_ids=new_ids,
         new_logprobs=new_lps,
@@ -228,4 +240,16 @@ def chunk_from(payload: dict[str, Any], state: StreamState) -> GenerateChunk | N
         matched=matched,
         weight_version=parse_weight_version(version) if version is not None else None,
         new_top_logprobs=new_top,
+        new_versions=new_versions,
     )
+
+
+def token_versions(meta: dict[str, Any], count: int, url: str) -> list[int]:
+    """The weight version of each of `count` output tokens: from `weight_version_spans` (arl's engines),
+    else the response's one `weight_version` on every token."""
+    if "weight_version_spans" not in meta:
+        return [parse_weight_version(meta.get("weight_version"))] * count
+    try:
+        return expand_spans(meta["weight_version_spans"], count)
+    except ValueError as exc:
+        raise EngineError(f"{url} returned malformed per-token versions: {exc}", server=url) from None

@@ -15,7 +15,10 @@ Weight updates (`update`) are applied between steps, with SGLang's semantics: th
 until the requests in flight have finished (new requests queue meanwhile), unless generation is
 paused (`/pause_generation`), in which case it applies at once and the paused requests continue
 with the new weights after `/continue_generation` (mode `in_place` keeps their KV cache from the
-old weights; mode `retract` recomputes it from the tokens under the new weights).
+old weights; mode `retract` recomputes it from the tokens under the new weights). Mode `wait` admits
+nothing new but lets the running requests finish; the pause is answered once none runs. Every sampled
+token is labelled with the version that sampled it (`Seq.versions`), so a request continued across an
+update reports both.
 `abort_all_requests` aborts the requests in flight instead of waiting for them. While paused only the
 trainer's verification probes run (`rid` prefix `VERIFY_RID_PREFIX`, prompt scoring with nothing to
 generate): a new version is checked before any request is served from it.
@@ -143,7 +146,8 @@ class Scheduler:
         return count
 
     def pause(self, mode: str) -> None:
-        """Scheduler thread only. `abort`: abort everything, then pause; `retract`: requeue running requests."""
+        """Scheduler thread only. `abort`: abort everything, then pause; `retract`: requeue running requests;
+        `wait`: admit nothing new but let the running requests finish (`drained` says when)."""
         if mode == "abort":
             self.abort(None, "aborted by /pause_generation")
         elif mode == "retract":
@@ -152,6 +156,10 @@ class Scheduler:
 
     def resume(self) -> None:
         self.paused = None
+
+    def drained(self) -> bool:
+        """No request is running (with mode `wait`: the pause is complete)."""
+        return not self._running
 
     def load(self) -> dict[str, int]:
         return {"running": len(self._running), "waiting": len(self._waiting)}
@@ -180,7 +188,7 @@ class Scheduler:
             worked |= self._admit()
         elif not self._updates:
             worked |= self._admit_probes()
-        if self._running and self.paused is None:
+        if self._running and self.paused in (None, "wait"):
             self._guarded(self._decode_step)
             worked = True
         return worked
@@ -200,7 +208,7 @@ class Scheduler:
             return False
         if any(u.abort_all for u in self._updates):
             self.abort(None, "aborted for a weight update")
-        if self._running and self.paused is None:
+        if self._running and self.paused in (None, "wait"):
             return False  # drain: the running requests finish first; admission is stopped meanwhile
         with self._lock:
             updates, self._updates = self._updates, []

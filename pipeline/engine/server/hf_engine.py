@@ -17,13 +17,14 @@ from typing import Any
 from pipeline.engine.server.backend import Check, Progress, model_info_body
 from pipeline.engine.server.batcher import Scheduler
 from pipeline.engine.server.hf_weights import StagedUpdate, WeightUpdates
-from pipeline.engine.server.requests import Limits, WorkItem, stop_token_ids
+from pipeline.engine.server.requests import Limits, RequestError, WorkItem, stop_token_ids
 from pipeline.engine.server.sampling import RowSampling
 from pipeline.engine.server.sequences import GenRequest
 from pipeline.engine.server.weights import eos_token_ids, load_model, load_tokenizer, resolve_device
 from schemas.engine_api import SamplingParams
 
 _HEALTH_GENERATE_TIMEOUT_S = 20.0
+_DRAIN_TIMEOUT_S = 3600.0  # a pause with mode `wait` outlasts the longest completion; the caller has its own deadline
 
 
 @dataclass
@@ -148,6 +149,15 @@ class HFEngine(WeightUpdates):
 
     async def pause(self, mode: str) -> str:
         await self._on_scheduler(lambda: self.scheduler.pause(mode))
+        if mode == "wait":  # answer once the requests in flight have finished (new ones wait)
+            deadline = time.monotonic() + _DRAIN_TIMEOUT_S
+            while not await self._on_scheduler(self.scheduler.drained):
+                if time.monotonic() > deadline:
+                    raise RequestError(
+                        f"paused (mode wait), but requests still run after {_DRAIN_TIMEOUT_S:.0f}s; "
+                        "/continue_generation, or pause with mode retract"
+                    )
+                await asyncio.sleep(0.02)
         return f"generation paused (mode {mode})"
 
     async def resume(self) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pipeline.engine.tokens import TopEntry
+from pipeline.engine.tokens import TopEntry, version_spans
 from schemas.engine_api import GenerateReqInput, SamplingParams
 
 
@@ -237,15 +237,3 @@ def splice_top(body: str, positions: list[str]) -> str:
         raise ValueError("splice_top needs the JSON of a response() object (meta_info last)")
     return f'{body[:-2]}, "output_top_logprobs": [{", ".join(positions)}]}}}}'
 
-
-def version_spans(versions: list[int]) -> list[list[int]]:
-    """Run-length form of per-token versions: `[[first token index, version], ...]`, one entry per change.
-
-    `[[0, 3], [17, 4]]`: tokens 0-16 were sampled by version 3, tokens from 17 on by version 4. Empty for
-    no tokens. `expand_spans` is the inverse.
-    """
-    spans: list[list[int]] = []
-    for index, version in enumerate(versions):
-        if not spans or spans[-1][1] != version:
-            spans.append([index, int(version)])
-    return spans
