@@ -48,7 +48,7 @@ async def test_non_streamed_request_reports_both_versions(
     versions = result.output_versions
     assert len(versions) == len(result.output_ids) == 300 and result.weight_version == 1
     switch = versions.index(1)
-    assert 0 < switch and set(versions[:switch]) == {0} and set(versions[switch:]) == {1}
+    assert switch > 0 and set(versions[:switch]) == {0} and set(versions[switch:]) == {1}
     assert max_diff(result.output_logprobs[:switch], teacher_forced(old, PROMPT, result.output_ids[:switch])) < 1e-4
     if mode == "retract":  # the KV was recomputed by the new weights: exactly the new policy
         reference = teacher_forced(new, PROMPT, result.output_ids)[switch:]
@@ -108,8 +108,8 @@ async def test_pause_wait_lets_requests_in_flight_finish_under_the_old_version(
 
 async def test_malformed_spans_are_an_engine_error() -> None:
     """A server whose spans do not cover its tokens is refused by the client, naming the server."""
-    from pipeline.engine.client.wire import result_from
     from pipeline.engine.client.wire import EngineError as WireError
+    from pipeline.engine.client.wire import result_from
 
     meta = {"weight_version": "2", "weight_version_spans": [[0, 1], [5, 2]], "output_token_logprobs": [
         [-0.1, 7, None]] * 3, "finish_reason": {"type": "length", "length": 3}}  # fmt: skip
