@@ -222,6 +222,16 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
+def version_switch(previous: dict[str, Any] | None, segment: dict[str, Any]) -> str:
+    """The marker shown where a turn's sampled tokens change weight version (a request paused across a
+    weight update, `inference.update_mode: interrupt`); "" elsewhere."""
+    if previous is None or not (previous["sampled"] and segment["sampled"]):
+        return ""
+    if previous["version"] == segment["version"]:
+        return ""
+    return f"⟨v{previous['version']}→v{segment['version']}⟩"
+
+
 def _versions(sample: dict[str, Any]) -> str:
     lo, hi = sample["min_version"], sample["max_version"]
     return "-" if lo < 0 else (str(lo) if lo == hi else f"{lo}-{hi}")
@@ -267,14 +277,19 @@ def render_rich(views: list[StepView], samples: list[dict[str, Any]], notes: lis
     plain = console.no_color or not console.is_terminal
     for sample in samples if decode else []:
         text = Text()
+        previous: dict[str, Any] | None = None
         for seg in sample.get("segments", []):
             body = seg["text"] if seg["text"] is not None else " ".join(map(str, seg["ids"])) + " "
+            swap = version_switch(previous, seg)
+            previous = seg
+            if swap:
+                text.append(swap, style="bold magenta")
             if seg["sampled"]:
                 text.append(f"{SAMPLED_OPEN}{body}{SAMPLED_CLOSE}" if plain else body, style="bold green")
             else:
                 text.append(body, style="dim")
         title = f"{sample['sample_id']} · reward {_fmt(sample['reward'])} · {sample['num_turns']} turn(s)"
-        legend = f"sampled = green{' «…»' if plain else ''}, prompt = dim"
+        legend = f"sampled = green{' «…»' if plain else ''}, prompt = dim, ⟨vA→vB⟩ = new weights mid-turn"
         console.print(Panel(text, title=Text(title), subtitle=Text(legend)))
     for note in notes:
         console.print(f"note: {note}", style="yellow", markup=False, highlight=False)
@@ -285,7 +300,7 @@ body{font-family:system-ui,sans-serif;margin:2em;color:#222;background:#fafafa}
 table{border-collapse:collapse;margin:1em 0;font-size:.9em}
 th,td{border:1px solid #ccc;padding:.25em .6em;text-align:right}
 th{background:#eee}td.l{text-align:left}pre{white-space:pre-wrap;background:#fff;border:1px solid #ddd;padding:.8em}
-.sampled{background:#d4f7d4;color:#064;font-weight:600}.prompt{color:#777}.note{color:#a60}
+.sampled{background:#d4f7d4;color:#064;font-weight:600}.swap{color:#a0a;font-weight:700}.prompt{color:#777}.note{color:#a60}
 details{margin:.5em 0}summary{cursor:pointer}
 """
 
@@ -306,8 +321,13 @@ def render_html(source: str, views: list[StepView], samples: list[dict[str, Any]
         if "segments" not in sample:
             continue
         spans = []
+        previous: dict[str, Any] | None = None
         for seg in sample["segments"]:
             body = seg["text"] if seg["text"] is not None else " ".join(map(str, seg["ids"])) + " "
+            swap = version_switch(previous, seg)
+            previous = seg
+            if swap:
+                spans.append(f"<span class='swap' title='the weights changed inside this turn'>{esc(swap)}</span>")
             sampled = seg["sampled"]
             cls, tip = ("sampled", f"sampled, version {seg['version']}") if sampled else ("prompt", "not sampled")
             spans.append(f"<span class='{cls}' title='{tip}'>{esc(body)}</span>")

@@ -27,8 +27,9 @@ def arl(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) 
                           cwd=cwd or REPO)  # fmt: skip
 
 
-def session(tokenizer, sid: str, group: str, reward: float, *, edit: bool = False) -> SessionTree:  # type: ignore[no-untyped-def]
-    """Two turns of a chat, token-exact; `edit` makes the agent rewrite its history (a prefix break)."""
+def session(tokenizer, sid: str, group: str, reward: float, *, edit: bool = False, swap: bool = False) -> SessionTree:  # type: ignore[no-untyped-def]
+    """Two turns of a chat, token-exact; `edit` makes the agent rewrite its history (a prefix break); `swap`:
+    new weights arrived after the second turn's first 3 tokens (a partial rollout)."""
     messages = [{"role": "user", "content": "What is two plus two?"}]
     prompt1 = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     p1 = tokenizer.encode(prompt1, add_special_tokens=False)
@@ -40,7 +41,8 @@ def session(tokenizer, sid: str, group: str, reward: float, *, edit: bool = Fals
     tree = SessionTree(sid, group, metadata={"index": 3})
     for iid, prompt, out, parent, version in (("a", p1, o1, None, 0), ("b", p2, o2, "a", 1)):
         tree.add(Interaction(id=f"{sid}-{iid}", session_id=sid, prompt_ids=prompt, output_ids=out,
-                             output_logprobs=[-0.25] * len(out), output_versions=[version] * len(out),
+                             output_logprobs=[-0.25] * len(out),
+                             output_versions=[version] * 3 + [version + swap] * (len(out) - 3),
                              parent_id=None if parent is None else f"{sid}-{parent}", created_at=1.8e9))  # fmt: skip
     tree.set_reward(reward)
     return tree
@@ -55,7 +57,8 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> R
     for step in (1, 2):
         rows = []
         for i in range(3):
-            tree = session(tokenizer, f"s{step}{i}", f"g{step}", reward=float(i), edit=(step == 2 and i == 0))
+            tree = session(tokenizer, f"s{step}{i}", f"g{step}", reward=float(i), edit=(step == 2 and i == 0),
+                           swap=(step == 1 and i == 1))  # fmt: skip
             rows += tree.export("concat", 1.0, step=step)
         write_step(paths, step, rows, producer="rollout", tokenizer=str(tiny_model_dir), rows_per_part=2)
     return paths
@@ -78,6 +81,8 @@ def test_decode_marks_sampled_tokens(run_dir: RunPaths) -> None:
     # Not a terminal: no colour, so sampled text is bracketed; prompt text is shown as is.
     assert f"«{ANSWER}<|im_end|>»" in plain.stdout and "«Five, I think.<|im_end|>»" in plain.stdout
     assert "What is two plus two?" in plain.stdout and "«What" not in plain.stdout
+    # s11's second turn changed weights after 3 tokens: marked inside the turn, and only there.
+    assert plain.stdout.count("⟨v1→v2⟩") == 1, plain.stdout
     colour = arl(str(run_dir.step_dir(1)), "--decode", env={"FORCE_COLOR": "1", "COLUMNS": "200"})
     assert colour.returncode == 0, colour.stderr
     assert "\x1b[1;32m" in colour.stdout and "«" not in colour.stdout
@@ -121,6 +126,7 @@ def test_html_is_one_self_contained_page(run_dir: RunPaths, tmp_path: Path) -> N
     page = target.read_text()
     assert "<span class='sampled'" in page and "<span class='prompt'" in page and "<style>" in page
     assert "The answer is four." in page and "&lt;|im_end|&gt;" in page
+    assert page.count("<span class='swap'") == 1 and "⟨v1→v2⟩" in page
     for external in ("<link", "<script", "src=", "http://", "https://"):
         assert external not in page
     default = arl(str(run_dir.step_dir(1)), "--format", "html", cwd=tmp_path)
@@ -161,7 +167,8 @@ def test_bad_input_is_one_line_and_exit_2(case: str, tmp_path: Path, run_dir: Ru
         step_dir = tmp_path / "step_000001"
         step_dir.mkdir()
         (step_dir / "part-rollout-00000.parquet").write_bytes(
-            (run_dir.step_dir(1) / "part-rollout-00000.parquet").read_bytes())
+            (run_dir.step_dir(1) / "part-rollout-00000.parquet").read_bytes()
+        )
         (step_dir / "_MANIFEST.json").write_text("{not json")
         target = step_dir / "part-rollout-00000.parquet"
     elif case == "other-file":
