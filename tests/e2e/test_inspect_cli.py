@@ -42,7 +42,7 @@ def session(tokenizer, sid: str, group: str, reward: float, *, edit: bool = Fals
     for iid, prompt, out, parent, version in (("a", p1, o1, None, 0), ("b", p2, o2, "a", 1)):
         tree.add(Interaction(id=f"{sid}-{iid}", session_id=sid, prompt_ids=prompt, output_ids=out,
                              output_logprobs=[-0.25] * len(out),
-                             output_versions=[version] * 3 + [version + swap] * (len(out) - 3),
+                             output_versions=[version] * 3 + [version + (swap and iid == "b")] * (len(out) - 3),
                              parent_id=None if parent is None else f"{sid}-{parent}", created_at=1.8e9))  # fmt: skip
     tree.set_reward(reward)
     return tree
