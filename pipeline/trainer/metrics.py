@@ -86,6 +86,7 @@ def step_metrics(
         "untrainable_dropped": data.untrainable_dropped,
         "staleness_mean": float(np.mean(data.staleness)) if data.staleness else 0.0,
         "staleness_max": int(max(data.staleness, default=0)),
+        **version_mix(data),
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()),
         "adv_mean": float(advantages.mean()),
@@ -113,3 +114,17 @@ def step_metrics(
         # Forward + backward of the updates; the proximal/reference forwards are not counted.
         out["mfu"] = 6.0 * num_params * tokens / timings.compute_s / (peak * world_size)
     return out
+
+
+def version_mix(data: StepData) -> dict[str, float]:
+    """Per-token staleness: with `inference.update_mode: interrupt` one sample's tokens can come from two
+    versions (paused across a weight update); `staleness_mean` counts each sample by its oldest token,
+    these count every sampled token by its own version."""
+    token_staleness = [data.step - s.versions[s.loss_mask == 1] for s in data.samples]
+    every = np.concatenate(token_staleness) if token_staleness else np.zeros(0)
+    mixed = sum(len(np.unique(s.versions[s.loss_mask == 1])) > 1 for s in data.samples)
+    return {
+        "token_staleness_mean": float(every.mean()) if every.size else 0.0,
+        "mixed_version_samples": int(mixed),
+    }
+
