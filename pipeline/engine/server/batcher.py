@@ -32,7 +32,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,11 +43,13 @@ from typing import Any
 import torch
 
 from pipeline.engine.server.backend import Progress
-from pipeline.engine.server.kvbatch import KVBatch, cache_tensors, dynamic_cache, left_pad
+from pipeline.engine.server.kvbatch import KVBatch, cache_tensors, dynamic_cache
+from pipeline.engine.server.prefix_cache import PrefixCache, close_holes, prefill_inputs, store_finished
 from pipeline.engine.server.sampling import prompt_logprobs, sample_batch
 from pipeline.engine.server.sequences import GenRequest, Seq, is_probe, wants_prompt_scored
 
 log = logging.getLogger("arl.engine.batcher")
+DECODE_DELAY_ENV = "ARL_TEST_DECODE_DELAY_S"
 
 
 @dataclass
@@ -70,6 +74,7 @@ class Scheduler:
         weight_version: int,
         return_original_logprob: bool = False,
         seed: int | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -79,6 +84,7 @@ class Scheduler:
         self.eos_ids = eos_ids
         self.weight_version = weight_version
         self.return_original_logprob = return_original_logprob
+        self.prefix_cache = prefix_cache
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids, default=0))
         self.generator = torch.Generator(device=self.device)
         if seed is not None:
@@ -97,6 +103,9 @@ class Scheduler:
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._main, name="hf-engine-scheduler", daemon=True)
+        self.decode_delay_s = float(os.environ.get(DECODE_DELAY_ENV) or 0)
+        """TEST HOOK, 0 unless ARL_TEST_DECODE_DELAY_S is set: every decode step sleeps that long, so a tiny
+        model's completions are still running when a test's trainer publishes (partial rollouts)."""
 
     # -- thread-safe API --------------------------------------------------------------------
     def start(self) -> None:
@@ -220,6 +229,8 @@ class Scheduler:
                 update.future.set_result(result)
             except Exception as exc:
                 update.future.set_exception(exc)
+        if self.prefix_cache is not None:  # its KV came from the weights just replaced
+            self.prefix_cache.clear()
         return True
 
     def _admit(self) -> bool:
@@ -255,13 +266,12 @@ class Scheduler:
 
     def _prefill(self, fresh: list[Seq], keep: int = 1) -> None:
         """Prefill `fresh` and sample their first tokens; `keep` > 1 (one sequence): score its prompt too."""
-        ids, mask = left_pad([s.req.input_ids + s.output for s in fresh], self.pad_id, self.device)
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        inputs = prefill_inputs(self.prefix_cache, fresh, self.pad_id, self.device)  # from cached prefixes
         out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=dynamic_cache(None, self.model.config),
+            input_ids=inputs.ids,
+            attention_mask=inputs.mask,
+            position_ids=inputs.positions,
+            past_key_values=dynamic_cache(inputs.past, self.model.config),
             use_cache=True,
             logits_to_keep=max(keep, 1),
         )
@@ -274,7 +284,7 @@ class Scheduler:
             for seq in fresh:
                 self._finish(seq, {"type": "length", "length": 0})
             return
-        batch = KVBatch(cache_tensors(out.past_key_values), mask)
+        batch = close_holes(KVBatch(cache_tensors(out.past_key_values), inputs.mask))
         self._batch = batch if self._batch is None else self._batch.merge(batch)
         self._running.extend(fresh)
         self._sample(fresh, out.logits[:, -1])
@@ -282,6 +292,8 @@ class Scheduler:
 
     def _decode_step(self) -> None:
         assert self._batch is not None
+        if self.decode_delay_s:
+            time.sleep(self.decode_delay_s)
         last = torch.tensor([[s.output[-1]] for s in self._running], device=self.device)
         mask = torch.cat([self._batch.mask, self._batch.mask.new_ones(self._batch.rows, 1)], dim=1)
         out = self.model(
@@ -331,6 +343,8 @@ class Scheduler:
     def _drop_finished(self) -> None:
         keep = [i for i, s in enumerate(self._running) if s.finish is None]
         if len(keep) != len(self._running):
+            if self.prefix_cache is not None and self._batch is not None:
+                store_finished(self.prefix_cache, self._running, self._batch)
             self._running = [self._running[i] for i in keep]
             self._batch = self._batch.select(keep) if self._batch is not None else None
         with self._lock:
@@ -364,7 +378,7 @@ class Scheduler:
         seq.prompt_sent = seq.prompt_sent or prompt is not None
         return Progress(
             seq.output[start:], seq.logprobs[start:], self.weight_version, seq.finish, seq.top[start:], prompt,
-            new_versions=seq.versions[start:],
+            new_versions=seq.versions[start:], cached_tokens=seq.cached_tokens,
         )  # fmt: skip
 
     def _finish(self, seq: Seq, finish: dict[str, Any]) -> None:

@@ -38,6 +38,7 @@ from schemas.engine_api import InitWeightsUpdateGroupReqInput, UpdateWeightsFrom
 log = logging.getLogger("arl.engine.hf_weights")
 
 CORRUPT_ENV = "ARL_TEST_CORRUPT_WEIGHTS"
+STALL_ENV = "ARL_TEST_STALL_UPDATE_S"
 """Test hook (`maybe_corrupt`): a JSON file {"version": int, "name": str}; unset in every real run."""
 
 
@@ -75,6 +76,7 @@ class WeightUpdates:
             tensors = await asyncio.to_thread(read_checkpoint, model_path)
             check_named_tensors(self.model, tensors, require_all=True)
             maybe_corrupt(tensors, version)
+            await maybe_stall()
             count = await self._apply(tensors, version, abort_all)
         except ValueError as exc:  # WeightError and friends: the checkpoint does not fit
             raise RequestError(str(exc)) from None
@@ -237,3 +239,14 @@ def maybe_corrupt(tensors: dict[str, torch.Tensor], version: int | None) -> None
     log.warning(
         "%s: corrupted %s of weight_version %d on purpose (+1.0 on its first element)", CORRUPT_ENV, name, version
     )
+
+
+async def maybe_stall() -> None:
+    """TEST HOOK, inert unless the environment variable ARL_TEST_STALL_UPDATE_S is set: a disk update waits
+    that many seconds before it applies, so a test can kill the inference stage while the trainer holds its
+    servers paused in the middle of a swap."""
+    seconds = float(os.environ.get(STALL_ENV) or 0)
+    if seconds > 0:
+        log.warning("%s: holding this weight update %.1fs before applying it", STALL_ENV, seconds)
+        await asyncio.sleep(seconds)
+
