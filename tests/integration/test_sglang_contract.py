@@ -565,3 +565,41 @@ def test_publisher_follows_sglangs_protocol(tiny_model_dir: Path, tmp_path: Path
         if publisher is not None:
             publisher.close()
         judge.stop()
+
+
+@pytest.mark.parametrize(("update_mode", "pause_mode", "sync"), [("interrupt", "in_place", "nccl"),
+                                                                 ("wait", "retract", "disk")])  # fmt: skip
+def test_publisher_update_modes_on_sglang(tiny_model_dir: Path, tmp_path: Path, update_mode: str, pause_mode: str,
+                                          sync: str) -> None:  # fmt: skip
+    """`inference.update_mode` against SGLang's own code: `interrupt` pauses with the configured SGLang mode
+    (`in_place` here, which SGLang accepts); `wait` sends no pause at all (SGLang has no `wait` mode: its own
+    model-update lock makes the disk load wait for the requests in flight) and the load still happens."""
+    from pipeline.engine.registry import write_entry
+    from pipeline.paths import RunPaths
+    from pipeline.trainer import publish
+    from schemas.engine_api import InferenceEntry
+
+    judge = start_judge(tiny_model_dir, tmp_path / "judge")
+    publisher = None
+    try:
+        paths = RunPaths.from_config(str(tmp_path), "contract", f"modes-{update_mode}")
+        write_entry(paths, "judge", InferenceEntry(url=judge.url, backend="sglang", model_path=str(tiny_model_dir),
+                                                   weight_version=3, host="127.0.0.1", pid=judge.proc.pid,
+                                                   started_at=time.time(), tp_size=1))  # fmt: skip
+        mark = judge.mark()
+        options = publish.PublishOptions(update_mode=update_mode, pause_mode=pause_mode)
+        publisher = publish.make_publisher(sync, paths, timeout_s=20, tied_embeddings=False, options=options)
+        state = {f"model.layers.{i}.weight": torch.randn(4, 4) for i in range(2)} if sync == "nccl" else None
+        report = publisher.publish(4, tiny_model_dir if sync == "disk" else None, state)
+        assert report.servers == [judge.url]
+        judge.settle()
+        pauses = [r["mode"] for r in judge.records(mark, "PauseGenerationReqInput")]
+        assert pauses == ([pause_mode] if update_mode == "interrupt" else [])
+        if sync == "disk":
+            (load,) = judge.records(mark, "UpdateWeightFromDiskReqInput")
+            assert load["model_path"] == str(tiny_model_dir) and load["weight_version"] == "4"
+        assert judge.model_info()["weight_version"] == "4"
+    finally:
+        if publisher is not None:
+            publisher.close()
+        judge.stop()
