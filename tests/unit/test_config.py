@@ -167,6 +167,17 @@ def test_broadcast_to_sglang_accepts_tensor_parallel_and_disk_takes_any(override
     load_config(None, overrides)
 
 
+def test_sglang_update_mode_wait_needs_disk_publication() -> None:
+    """SGLang holds requests for one unpaused update call, not across a broadcast's buckets: one line, the fix."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, [*BROADCAST_TO_SGLANG, "inference.update_mode=wait"])
+    message = str(refused.value)
+    assert "\n" not in message and "trainer.weight_sync=disk" in message and "update_mode=interrupt" in message
+    load_config(None, ["inference.backend=sglang", "trainer.weight_sync=disk", "inference.update_mode=wait"])
+    load_config(None, [*BROADCAST_TO_SGLANG, "inference.update_mode=interrupt", "inference.pause_mode=in_place"])
+    load_config(None, ["inference.backend=vllm", "trainer.weight_sync=nccl", "inference.update_mode=wait"])
+
+
 def test_arl_launch_dry_run_refuses_it_before_creating_anything(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
