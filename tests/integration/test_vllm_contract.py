@@ -38,7 +38,9 @@ from schemas.engine_api import GenerateReqInput
 
 VLLM_PYTHON = vllm_venv_python()
 JUDGE = Path(__file__).with_name("vllm_judge.py")
-ADAPTER_SOURCE = REPO_ROOT / "pipeline" / "engine" / "server" / "vllm_adapter.py"
+ADAPTER_SOURCES = [
+    REPO_ROOT / "pipeline" / "engine" / "server" / f"{name}.py" for name in ("vllm_adapter", "vllm_gate")
+]
 SERVED = "arl-policy"
 MAX_CONTEXT = 512
 # Non-neutral sampling defaults in the checkpoint (as Qwen2.5-Instruct ships them): vLLM fills every field a
@@ -158,26 +160,29 @@ def test_vllm_checks_the_parallel_config_against_the_model(model_dir: Path) -> N
 
 # -- routes -------------------------------------------------------------------------------------------
 def adapter_calls() -> set[tuple[str, str]]:
-    """(method, path) of every call the adapter makes on vLLM, read from its source."""
-    source = ADAPTER_SOURCE.read_text()
+    """(method, path) of every call the adapter makes on vLLM, read from its sources."""
+    source = "\n".join(path.read_text() for path in ADAPTER_SOURCES)
     calls = {(m.upper(), p) for m, p in re.findall(r'self\.http\.(get|post)\(\s*"(/[^"]*)"', source)}
-    calls |= {(m, p) for m, p in re.findall(r'self\.http\.stream\(\s*"(\w+)",\s*"(/[^"]*)"', source)}
+    calls |= {(m, p) for m, p in re.findall(r'self\.http\.(?:stream|build_request)\(\s*"(\w+)",\s*"(/[^"]*)"', source)}
     return calls
 
 
 def test_every_route_the_adapter_calls_is_in_vllms_route_table(model_dir: Path) -> None:
     calls = adapter_calls()
     assert calls == {("POST", "/v1/completions"), ("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache"),
-                     ("GET", "/health")}, "the adapter calls a new vLLM route: judge it here"  # fmt: skip
+                     ("GET", "/health"), ("POST", "/pause"), ("POST", "/resume"), ("POST", "/abort_requests")}, (
+        "the adapter calls a new vLLM route: judge it here")  # fmt: skip
     spec = vllm_spec(model_dir)
     table = judge("routes", spec)
     served = {(method, route["path"]) for route in table["routes"] for method in route["methods"]}
     missing = sorted(calls - served)
     assert not missing, f"vLLM {table['version']} does not serve {missing}"
-    # `/collective_rpc` (weight updates) exists only in vLLM's dev mode, which arl turns on.
+    # `/collective_rpc` (weight updates) and the RL routes (`/pause`, `/resume`, `/abort_requests`: pause modes)
+    # exist only in vLLM's dev mode, which arl turns on.
     assert spec.env.get("VLLM_SERVER_DEV_MODE") == "1"
     without = judge("routes", ProcSpec(spec.argv, {k: v for k, v in spec.env.items() if k != "VLLM_SERVER_DEV_MODE"}))
-    assert "/collective_rpc" not in {route["path"] for route in without["routes"]}
+    dev_only = {"/collective_rpc", "/pause", "/resume", "/abort_requests"}
+    assert not dev_only & {route["path"] for route in without["routes"]}
 
 
 # -- request bodies -----------------------------------------------------------------------------------
@@ -211,8 +216,8 @@ def test_vllm_turns_arls_bodies_into_the_sampling_arl_asked_for(model_dir: Path)
     for request in REQUESTS:
         req = GenerateReqInput.model_validate(request)
         for item in expand(req, adapter.limits, adapter.tokenizer):
-            stream = req.stream and item.logprob_start_len < 0  # as the adapter sends it
-            cases.append((item, completion_body(item, SERVED, stream=stream), stream))
+            stream = item.logprob_start_len < 0  # as the adapter sends it: streamed unless prompt logprobs
+            cases.append((item, completion_body(item, SERVED, stream=stream, cache_salt="arl-v3"), stream))
     answer = judge("check-bodies", vllm_spec(model_dir), stdin=[body for _, body, _ in cases])
     for (item, body, stream), result in zip(cases, answer["results"], strict=True):
         where = f"vLLM {answer['version']} on {json.dumps(body)[:300]}"
@@ -221,6 +226,7 @@ def test_vllm_turns_arls_bodies_into_the_sampling_arl_asked_for(model_dir: Path)
         assert result["prompt_ids"] == item.input_ids, where
         assert result["return_tokens_as_token_ids"] is True and result["stream"] is stream, where
         assert result["include_usage"] is stream, where
+        assert result["cache_salt"] == "arl-v3", where  # the adapter's per-version prefix-cache salt
         params, got = item.params, result["sampling"]
         scored = item.logprob_start_len >= 0
         expected = {

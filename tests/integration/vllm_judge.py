@@ -254,6 +254,7 @@ def _judge_body(body: dict[str, Any], rid: str, config: Any, online: Any, proces
         "return_tokens_as_token_ids": request.return_tokens_as_token_ids,
         "stream": bool(request.stream),
         "include_usage": bool(request.stream_options and request.stream_options.include_usage),
+        "cache_salt": core_request.cache_salt,  # salts the request's prefix-cache block hashes
     }
 
 

@@ -25,6 +25,11 @@ def test_body_is_token_in_with_sglang_params_mapped():
     assert body["stop"] == ["END"] and body["stop_token_ids"] == [3] and body["seed"] == 4
     assert body["logprobs"] == 0 and body["return_tokens_as_token_ids"] is True
     assert body["include_stop_str_in_output"] is True and body["stream_options"] == {"include_usage": True}
+    assert "cache_salt" not in body
+    assert (
+        completion_body(WorkItem("r", [5], params, 9, True), "p", stream=True, cache_salt="arl-v3")["cache_salt"]
+        == "arl-v3"
+    )
 
 
 def test_body_leaves_vllm_nothing_to_fill_in_and_ignore_eos_disables_stop_ids():

@@ -9,15 +9,22 @@ commands into vLLM calls:
   to finish (new ones wait), or aborts them with `abort_all_requests`; then the prefix cache is
   reset and `weight_version` bumped. A broadcast session (`/begin_weight_update` ... `/end_weight_update`)
   waits for them at its begin and holds new requests until its end: the workers' layers are being
-  replaced in between (vLLM's layerwise reload), and the prefix cache is reset at the end;
-* pause holds *new* requests until resume (mode `abort` also aborts those in flight); vLLM offers
-  no way to freeze a running request from outside, so requests already in flight run to completion.
-  The trainer's verification probe (`rid` prefix `VERIFY_RID_PREFIX`, prompt scoring, nothing
-  generated) runs while paused, as on the hf engine, but never during a weight update;
+  replaced in between (vLLM's layerwise reload), and the prefix cache is reset at the end. Requests
+  frozen by a `retract` / `in_place` pause are not waited for: the weights are swapped under them;
+* pause (`vllm_gate.py`): `abort` aborts the requests in flight, `wait` lets them finish, `retract` and
+  `in_place` freeze them inside vLLM (`/pause?mode=keep`, `clear_cache` true or false) until
+  `/continue_generation` (`/resume`); new requests are held in every mode. The trainer's verification
+  probe (`rid` prefix `VERIFY_RID_PREFIX`, prompt scoring, nothing generated) runs while paused, as on the
+  hf engine, but never during a weight update nor while vLLM holds requests frozen (it schedules nothing
+  then: `/server_info` says `scores_while_paused: false`);
+* completions are streamed from vLLM whether the caller streams or not, so each token is labelled with
+  the weight version current when it arrived (`Progress.new_versions`; what is exact: `vllm_gate.py`).
+  Every request carries vLLM's `cache_salt` `arl-v<version>`, so the prefix cache never hands one
+  version's KV to a request of another (vLLM cannot reset the cache while frozen requests hold blocks);
 * abort cancels the upstream HTTP call, which makes vLLM abort the request;
 * input logprobs (`logprob_start_len` >= 0) are vLLM's prompt logprobs (see `vllm_wire.py`); vLLM
   does not stream them, so such a request is answered by one non-streamed call, and a stream gets
-  one event with everything;
+  one event with everything; its tokens carry the version current when it was sent;
 * `/get_weights_by_name` reads the parameter from the vLLM worker (`arl_weights_by_name`).
 
 Run: `python -m pipeline.engine.server.vllm_adapter --upstream URL --port N --model-path DIR` (see `procs.py`).
@@ -27,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +45,7 @@ from pipeline.engine.server.app import build_app
 from pipeline.engine.server.backend import Check, Progress, model_info_body
 from pipeline.engine.server.requests import Limits, PromptLogprobs, RequestError, WorkItem, stop_token_ids
 from pipeline.engine.server.serve import config_from_args, serve, server_parser
+from pipeline.engine.server.vllm_gate import DRAIN_TIMEOUT_S, Gate
 from pipeline.engine.server.vllm_wire import choice_tokens, choice_top, completion_body, finish_reason, prompt_scores
 from pipeline.engine.server.weights import eos_token_ids, load_tokenizer
 from schemas.engine_api import VERIFY_RID_PREFIX, InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput
@@ -53,6 +60,8 @@ class AdapterConfig:
     weight_version: int = 0
     max_context: int = 2048
     tp_size: int = 1
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
+    """How long a `wait` pause or a weight update waits for the requests in flight to finish."""
 
 
 class VLLMAdapter:
@@ -72,89 +81,100 @@ class VLLMAdapter:
         self.eos_ids = eos_token_ids(
             _ConfigView(hf_config, _generation_config(Path(config.model_path))), self.tokenizer
         )
-        self.weight_version = config.weight_version
         self.requests_total = 0
-        self.open = asyncio.Event()
-        self.open.set()
-        self.paused = False
-        self.steady = asyncio.Event()
-        """No weight update runs (the verification probe waits only for this)."""
-        self.steady.set()
-        self.updating = False
-        """A broadcast session is open: requests are held whatever `/continue_generation` says."""
-        self.inflight: dict[str, asyncio.Future[Any]] = {}
-        self.aborted: set[str] = set()
         self.update_lock = asyncio.Lock()
         self.http = httpx.AsyncClient(base_url=config.upstream, timeout=httpx.Timeout(None, connect=10.0))
+        self.gate = Gate(self.http, config.weight_version, config.drain_timeout_s)
 
     # -- generation -------------------------------------------------------------------------
-    async def generate(self, item: WorkItem, *, stream: bool) -> AsyncGenerator[Progress, None]:
-        await _until_set(self.steady if _is_probe(item) else self.open)
-        if not stream or item.logprob_start_len >= 0:  # vLLM streams no prompt logprobs
-            yield await self._complete(item)
-            return
-        async for progress in self._stream(item):
-            yield progress
+    @property
+    def weight_version(self) -> int:
+        return self.gate.served_version
 
-    async def _complete(self, item: WorkItem) -> Progress:
+    async def generate(self, item: WorkItem, *, stream: bool) -> AsyncGenerator[Progress, None]:
+        # Streamed from vLLM whether the caller streams or not: each token's version is the one current when
+        # it arrives (vllm_gate.py). Prompt logprobs are not streamed by vLLM: one answer (`_scored`).
         scored = item.logprob_start_len >= 0
+        await self.gate.admit(probe=_is_probe(item))
         if item.max_new_tokens == 0 and not scored:  # vLLM refuses max_tokens=0; SGLang answers with nothing
-            return self._progress([], [], {"type": "length", "length": 0})
-        body = completion_body(item, self.config.served_model_name, stream=False)
-        upstream = asyncio.ensure_future(self.http.post("/v1/completions", json=body))
-        self.inflight[item.rid] = upstream
+            yield self._progress([], [], {"type": "length", "length": 0})
+        elif scored:
+            yield await self._scored(item)
+        else:
+            async for progress in self._stream(item):
+                yield progress
+
+    async def _scored(self, item: WorkItem) -> Progress:
+        """A request with prompt logprobs: one non-streamed call. Its tokens are labelled with the version
+        current when it was sent (a swap under a frozen scored request is not located within it)."""
+        version = self.gate.sampling_version
+        body = completion_body(item, self.config.served_model_name, stream=False, cache_salt=self._salt())
         try:
-            resp = await upstream
+            resp = await self.gate.upstream(item.rid, self.http.post("/v1/completions", json=body))
         except asyncio.CancelledError:
-            if item.rid in self.aborted and not _current_task_cancelling():
+            if self.gate.was_aborted(item.rid):
                 return self._progress([], [], {"type": "abort", "message": "aborted by request"})
-            upstream.cancel()
             raise
         finally:
-            self.inflight.pop(item.rid, None)
-            self.aborted.discard(item.rid)
+            self.gate.done(item.rid)
         choice = _upstream_json(resp)["choices"][0]
-        prompt = prompt_scores(choice, item) if scored else None
+        prompt = prompt_scores(choice, item)
         if item.max_new_tokens == 0:  # scored only: vLLM generated one token, which SGLang would not have
             return self._progress([], [], {"type": "length", "length": 0}, prompt=prompt)
         ids, logprobs = choice_tokens(choice)
         finish = finish_reason(choice, ids, stop_token_ids(item.params, self.eos_ids))
-        return self._progress(ids, logprobs, finish, choice_top(choice, item.top_logprobs_num), prompt)
+        top = choice_top(choice, item.top_logprobs_num)
+        return Progress(ids, logprobs, self.gate.sampling_version, finish, top, prompt, [version] * len(ids))
 
     async def _stream(self, item: WorkItem) -> AsyncIterator[Progress]:
-        """vLLM's streamed completion, one event per upstream chunk that carries tokens or the finish."""
-        body = completion_body(item, self.config.served_model_name, stream=True)
+        """vLLM's streamed completion, one event per upstream chunk that carries tokens or the finish.
+
+        Every upstream await goes through the gate, so an abort lands even while vLLM holds the request
+        frozen (no chunk comes then); closing the upstream stream makes vLLM abort the request."""
+        body = completion_body(item, self.config.served_model_name, stream=True, cache_salt=self._salt())
         ids: list[int] = []
         stops = stop_token_ids(item.params, self.eos_ids)
-        self.inflight[item.rid] = asyncio.ensure_future(asyncio.sleep(0))  # abortable marker (see abort)
+        resp: httpx.Response | None = None
         try:
-            async with self.http.stream("POST", "/v1/completions", json=body) as resp:
-                if resp.status_code >= 400:
-                    await resp.aread()
-                    _upstream_json(resp)
-                async for line in resp.aiter_lines():
-                    if item.rid in self.aborted:
-                        yield self._progress([], [], {"type": "abort", "message": "aborted"})
-                        break
-                    payload = line.removeprefix("data:").strip()
-                    if not line.startswith("data:") or payload == "[DONE]":
-                        continue
-                    choices = json.loads(payload).get("choices") or []
-                    if not choices:
-                        continue
-                    new_ids, new_lps = choice_tokens(choices[0])
-                    ids += new_ids
-                    finish = finish_reason(choices[0], ids, stops)
-                    yield self._progress(new_ids, new_lps, finish, choice_top(choices[0], item.top_logprobs_num))
+            request = self.http.build_request("POST", "/v1/completions", json=body)
+            resp = await self.gate.upstream(item.rid, self.http.send(request, stream=True))
+            if resp.status_code >= 400:
+                await resp.aread()
+                _upstream_json(resp)
+            lines = resp.aiter_lines()
+            while (line := await self.gate.upstream(item.rid, anext(lines, None))) is not None:
+                payload = line.removeprefix("data:").strip()
+                if not line.startswith("data:") or payload == "[DONE]":
+                    continue
+                choices = json.loads(payload).get("choices") or []
+                if not choices:
+                    continue
+                new_ids, new_lps = choice_tokens(choices[0])
+                ids += new_ids
+                finish = finish_reason(choices[0], ids, stops)
+                version = self.gate.sampling_version
+                top = choice_top(choices[0], item.top_logprobs_num)
+                yield Progress(new_ids, new_lps, version, finish, top, None, [version] * len(new_ids))
+        except asyncio.CancelledError:
+            if not self.gate.was_aborted(item.rid):
+                raise
+            yield self._progress([], [], {"type": "abort", "message": "aborted by request"})
         finally:
-            self.inflight.pop(item.rid, None)
-            self.aborted.discard(item.rid)
+            try:
+                if resp is not None:
+                    await resp.aclose()
+            finally:
+                self.gate.done(item.rid)
+
+    def _salt(self) -> str:
+        """vLLM's prefix-cache salt: blocks computed by one version are never reused under another (vLLM's
+        reset of the prefix cache fails while requests frozen in place hold blocks; vllm_gate.py)."""
+        return f"arl-v{self.gate.sampling_version}"
 
     def _progress(
-        self, ids: list[int], lps: list[float], finish: dict[str, Any] | None, top: Any = None,
-        prompt: PromptLogprobs | None = None,
-    ) -> Progress:  # fmt: skip
-        return Progress(ids, lps, self.weight_version, finish, top or [], prompt)
+        self, ids: list[int], lps: list[float], finish: dict[str, Any] | None, prompt: PromptLogprobs | None = None
+    ) -> Progress:
+        return Progress(ids, lps, self.gate.sampling_version, finish, [], prompt)
 
     async def health(self, *, generate: bool) -> Check:
         # `generate` or not, the same question: vLLM's /health answers only while its engine runs.
@@ -166,38 +186,29 @@ class VLLMAdapter:
 
     # -- control ----------------------------------------------------------------------------
     async def abort(self, rid: str | None, message: str) -> None:
-        self._abort(rid)
-
-    def _abort(self, rid: str | None) -> int:
-        rids = list(self.inflight) if rid is None else [r for r in self.inflight if r == rid or r.startswith(f"{rid}_")]
-        for r in rids:
-            self.aborted.add(r)
-            self.inflight[r].cancel()
-        return len(rids)
+        self.gate.abort(rid)
 
     async def pause(self, mode: str) -> str:
-        self.paused = True
-        self.open.clear()
-        if mode == "abort":
-            self._abort(None)
-        return f"new requests held (mode {mode})"
+        return await self.gate.pause(mode)
 
     async def resume(self) -> None:
-        self.paused = False
-        if not self.updating:
-            self.open.set()
+        await self.gate.resume()
 
     async def flush_cache(self) -> Check:
+        # vLLM answers 200 with `success: false` when it refuses (blocks in use, e.g. by frozen requests).
         resp = await self.http.post("/reset_prefix_cache")
-        return Check(resp.status_code < 400, "Cache flushed.\n")
+        return Check(resp.status_code < 400 and resp.json().get("success") is not False, "Cache flushed.\n")
 
     # -- weights ----------------------------------------------------------------------------
     async def update_from_disk(self, model_path: str, version: int | None, abort_all: bool) -> str:
         if not (Path(model_path) / "config.json").exists():
             raise RequestError(f"model_path {model_path!r} is not a Hugging Face model directory")
-        if self.updating:
+        if self.gate.updating:
             raise RequestError("a broadcast weight update is open on the vLLM workers: /end_weight_update first")
-        await self._swap(abort_all, version, "arl_reload_from_disk", model_path)
+        async with self.update_lock, self.gate.swapping(abort_all):
+            await self._rpc("arl_reload_from_disk", model_path)
+            await self._reset_prefix_cache()
+            self.gate.set_version(version)
         self.model_path = model_path
         return f"reloaded {model_path}"
 
@@ -206,66 +217,37 @@ class VLLMAdapter:
         return f"joined {body.group_name}"
 
     async def begin_update(self) -> None:
-        """Hold new requests and wait out those in flight (vLLM cannot pause them), then open the workers'
-        layerwise reload; requests stay held until `end_update`."""
-        self.updating = True
-        self.open.clear()
-        self.steady.clear()
+        """Hold new requests and wait out those in flight (unless vLLM holds them frozen), then open the
+        workers' layerwise reload; requests stay held until `end_update`."""
+        await self.gate.begin_update()
         try:
-            await self._drain(abort_all=False)
-            if self.inflight:
-                raise RequestError(f"{len(self.inflight)} requests still run after the drain deadline; retry")
             await self._rpc("arl_begin_update")
         except BaseException:
-            self._stop_updating()
+            await self.gate.end_update()
             raise
 
     async def update_from_group(self, body: UpdateWeightsFromDistributedReqInput, version: int | None) -> str:
         self._vet_names(body)
         names = {"names": body.names, "dtypes": body.dtypes, "shapes": body.shapes, "group_name": body.group_name}
-        await self._rpc("arl_receive", json.dumps(names))  # no request runs: begin_update drained them
-        self.weight_version = self.weight_version if version is None else version
+        await self._rpc("arl_receive", json.dumps(names))  # nothing runs a forward: drained or frozen
+        self.gate.set_version(version)
         return f"received {len(body.names)} tensors"
 
     async def end_update(self) -> None:
         try:
             await self._rpc("arl_end_update")
-            await self.http.post("/reset_prefix_cache")
+            await self._reset_prefix_cache()
         finally:
-            self._stop_updating()
-
-    def _stop_updating(self) -> None:
-        self.updating = False
-        self.steady.set()
-        if not self.paused:
-            self.open.set()
+            await self.gate.end_update()
 
     async def leave_group(self, group_name: str) -> str:
         await self._rpc("arl_destroy_group", group_name)
         return f"destroyed {group_name}"
 
-    async def _swap(self, abort_all: bool, version: int | None, method: str, arg: str) -> None:
-        """Run a weight-loading RPC with no request in flight (SGLang's update semantics), then reset the cache."""
-        async with self.update_lock:
-            self.steady.clear()
-            try:
-                await self._drain(abort_all)
-                await self._rpc(method, arg)
-                await self.http.post("/reset_prefix_cache")
-            finally:
-                self.steady.set()
-                if not self.paused and not self.updating:
-                    self.open.set()
-            self.weight_version = self.weight_version if version is None else version
-
-    async def _drain(self, abort_all: bool, timeout_s: float = 600.0) -> None:
-        """Hold new requests; abort or wait out those in flight."""
-        self.open.clear()
-        if abort_all:
-            self._abort(None)
-        deadline = time.monotonic() + timeout_s
-        while self.inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+    async def _reset_prefix_cache(self) -> None:
+        """Drop the prefix cache after a swap. vLLM refuses (`success: false`) while requests frozen in place
+        hold KV blocks; the cache salt (`_salt`) keeps their blocks from serving another version anyway."""
+        await self.http.post("/reset_prefix_cache")
 
     async def _rpc(self, method: str, *args: str) -> Any:
         resp = await self.http.post("/collective_rpc", json={"method": method, "args": list(args)})
@@ -296,7 +278,7 @@ class VLLMAdapter:
             )
         if name not in self.checkpoint_shapes and name != "lm_head.weight":
             raise RequestError(f"{name!r} is not a parameter of the served checkpoint")
-        if self.updating:
+        if self.gate.updating:
             raise RequestError("a broadcast weight update is open on the vLLM workers: /end_weight_update first")
         async with self.update_lock:  # never half-way through a disk update
             spec = json.dumps({"name": name, "truncate_size": truncate_size})
@@ -316,25 +298,17 @@ class VLLMAdapter:
             "tp_size": self.config.tp_size,
             "dp_size": 1,
             "weight_version": str(self.weight_version),
-            "paused": self.paused,
-            "running": len(self.inflight),
+            "paused": self.gate.paused is not None,
+            "pause_mode": self.gate.paused,
+            "frozen": self.gate.frozen,
+            "scores_while_paused": self.gate.frozen is None,
+            "running": len(self.gate.inflight),
         }
 
 
 def _is_probe(item: WorkItem) -> bool:
     """The trainer's verification probe (`pipeline.engine.client.admin.score_prompt`)."""
     return item.rid.startswith(VERIFY_RID_PREFIX) and item.max_new_tokens == 0 and item.logprob_start_len >= 0
-
-
-async def _until_set(event: asyncio.Event) -> None:
-    """Wait for `event`, and for it to be set still when this task runs on (another may clear it between)."""
-    while not event.is_set():
-        await event.wait()
-
-
-def _current_task_cancelling() -> bool:
-    task = asyncio.current_task()
-    return bool(task is not None and task.cancelling())
 
 
 def _upstream_json(resp: httpx.Response) -> Any:
@@ -386,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--upstream", required=True)
     parser.add_argument("--served-model-name", default="arl-policy")
     parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--drain-timeout-s", type=float, default=DRAIN_TIMEOUT_S)
     args = parser.parse_args(argv)
     setup_logging()
     config = config_from_args(AdapterConfig, args)

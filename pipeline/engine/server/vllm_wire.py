@@ -25,8 +25,10 @@ from pipeline.engine.tokens import TopEntry
 _TOKEN_PREFIX = "token_id:"
 
 
-def completion_body(item: WorkItem, served_name: str, *, stream: bool) -> dict[str, Any]:
-    """The vLLM completion request for one work item (SGLang sampling names mapped to vLLM's)."""
+def completion_body(item: WorkItem, served_name: str, *, stream: bool, cache_salt: str | None = None) -> dict[str, Any]:
+    """The vLLM completion request for one work item (SGLang sampling names mapped to vLLM's).
+
+    `cache_salt`: vLLM's prefix-cache salt; requests with different salts never share cached KV blocks."""
     params = item.params
     body: dict[str, Any] = {
         "model": served_name,
@@ -57,6 +59,8 @@ def completion_body(item: WorkItem, served_name: str, *, stream: bool) -> dict[s
         body["stop_token_ids"] = list(params.stop_token_ids)
     if params.sampling_seed is not None:
         body["seed"] = params.sampling_seed
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     if item.logprob_start_len >= 0:
         body["prompt_logprobs"] = item.top_logprobs_num
         body["max_tokens"] = max(item.max_new_tokens, 1)  # vLLM refuses 0; the caller drops the token
