@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,11 +16,11 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from vllm_process import vllm_server  # tests/integration is on sys.path (pytest)
 
-from pipeline.config import load_config
 from pipeline.engine.client import EngineClient, EngineError
 from pipeline.engine.net import free_port
-from pipeline.engine.server.procs import ProcSpec, vllm_procs, vllm_venv_python
+from pipeline.engine.server.procs import vllm_venv_python
 from pipeline.engine.weight_group import broadcast_from_trainer, destroy_weight_group, dtype_name, init_weight_group
 
 pytestmark = [
@@ -36,55 +35,10 @@ TOL = 2e-3  # vLLM's CPU kernels (fused qkv, its own attention) vs transformers'
 PROMPT_TOL = 1e-5
 
 
-def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float = 900.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, f"exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
-        assert time.monotonic() < deadline, f"not healthy after {timeout_s}s:\n{log.read_text()[-4000:]}"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-
-
-def _start(spec: ProcSpec, url: str, log: Path) -> subprocess.Popen[bytes]:
-    handle = open(log, "wb")  # noqa: SIM115 - owned by the child
-    proc = subprocess.Popen(spec.argv, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **spec.env})
-    _wait_healthy(proc, url, log)
-    return proc
-
-
 @pytest.fixture(scope="module")
 def vllm_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    logs = tmp_path_factory.mktemp("vllm_logs")
-    port = free_port()
-    config = load_config(
-        None,
-        [
-            f"model.path={tiny_model_dir}",
-            "inference.backend=vllm",
-            "model.max_context=512",
-            f"inference.python={vllm_venv_python()}",
-            "inference.max_batch_size=16",
-            "inference.extra_args=[--enforce-eager]",  # torch.compile warm-up takes minutes on a busy CPU
-        ],
-    )
-    specs = vllm_procs(config, host="127.0.0.1", port=port, model_path=str(tiny_model_dir), version=0)
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        for i, spec in enumerate(specs):
-            procs.append(_start(spec, spec.health_url or f"http://127.0.0.1:{port}", logs / f"proc{i}.log"))
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with vllm_server(tiny_model_dir, tmp_path_factory.mktemp("vllm_logs")) as server:
+        yield server.url
 
 
 def load(path: Path) -> Any:
