@@ -148,11 +148,12 @@ class AdminCalls(abc.ABC):
         """Every server leaves the broadcast group `group_name` (frees the group and its name there)."""
         await self._fan_out("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
-    async def pause_generation(self, mode: Literal["in_place", "retract", "abort"] = "in_place") -> None:
+    async def pause_generation(self, mode: Literal["in_place", "retract", "abort", "wait"] = "in_place") -> None:
         """Every server stops scheduling decode steps (requests in flight wait, they are not dropped).
 
         `in_place` keeps their KV cache; `retract` sends them back to the queue (their cache is
-        recomputed on continue, so a flush may follow: what a weight update needs).
+        recomputed on continue, so a flush may follow: what a weight update needs). `wait` (arl's engines;
+        SGLang refuses it) lets the requests in flight finish first and returns once none runs.
         """
         await self._fan_out("POST", "/pause_generation", {"mode": mode})
 
