@@ -17,6 +17,7 @@ from typing import Any
 from pipeline.engine.server.backend import Check, Progress, model_info_body
 from pipeline.engine.server.batcher import Scheduler
 from pipeline.engine.server.hf_weights import StagedUpdate, WeightUpdates
+from pipeline.engine.server.prefix_cache import PrefixCache, describe
 from pipeline.engine.server.requests import Limits, RequestError, WorkItem, stop_token_ids
 from pipeline.engine.server.sampling import RowSampling
 from pipeline.engine.server.sequences import GenRequest
@@ -63,6 +64,7 @@ class HFEngine(WeightUpdates):
         model_max = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         self.limits = Limits(int(self.model.config.vocab_size), min(config.max_context or model_max, model_max))
         original = config.return_original_logprob or _env_flag("SGLANG_RETURN_ORIGINAL_LOGPROB")
+        self.prefix_cache = PrefixCache(config.prefix_cache_mb * 2**20) if config.prefix_cache_mb > 0 else None
         self.scheduler = Scheduler(
             self.model,
             self.tokenizer,
@@ -72,6 +74,7 @@ class HFEngine(WeightUpdates):
             weight_version=config.weight_version,
             return_original_logprob=original,
             seed=config.seed,
+            prefix_cache=self.prefix_cache,
         )
         self.weight_groups: dict[str, Any] = {}
         self.staged = StagedUpdate()
@@ -164,8 +167,10 @@ class HFEngine(WeightUpdates):
         await self._on_scheduler(self.scheduler.resume)
 
     async def flush_cache(self) -> Check:
-        # The hf engine keeps no prefix cache across requests: there is nothing to flush.
-        return Check(True, "Cache flushed (the hf engine keeps no prefix cache).\n")
+        if self.prefix_cache is None:
+            return Check(True, "Cache flushed (the prefix cache is off: --prefix-cache-mb 0).\n")
+        entries, nbytes = await self._on_scheduler(self.prefix_cache.clear)
+        return Check(True, f"Cache flushed: dropped {entries} prefix-cache entries ({nbytes} bytes).\n")
 
     async def _on_scheduler(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self.scheduler.call(fn))
@@ -198,6 +203,7 @@ class HFEngine(WeightUpdates):
             "incremental_streaming_output": self.config.incremental_streaming_output,
             "started_at": self.started_at,
             "num_requests": self.requests_total,
+            "prefix_cache": describe(self.prefix_cache),
             **self.scheduler.load(),
         }
 

@@ -42,6 +42,10 @@ class Seq:
     prompt: PromptLogprobs | None = None
     """The scored prompt, once computed (a retracted request keeps it: it is not scored twice)."""
     prompt_sent: bool = False
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache (`prefix_cache.py`) rather than the prefill."""
+    cache_epoch: int = -1
+    """The prefix cache's epoch when this sequence's KV was computed: stored at the end only if unchanged."""
 
 
 def is_probe(seq: Seq) -> bool:

@@ -1,0 +1,295 @@
+"""The `hf` engine's prefix cache: the KV of finished requests, reused by later requests sharing their prefix.
+
+An agent's turn k+1 prompt is turn k's prompt + its output + a short suffix; without reuse the engine
+would recompute the whole history every turn. A finished request (stop or length, not aborted) leaves
+its KV here: its prompt + output minus the last sampled token, which was never fed to the model. A new
+request looks up the longest cached prefix of its prompt and is prefilled from there on (`prefill_inputs`);
+at least one prompt token is always prefilled, since its logits sample the first new token.
+
+Structure: a flat set of entries, each a token sequence with its own contiguous KV, and lookup by
+longest common prefix over all entries, rather than a radix tree. Why: (1) the agent pattern is a
+chain, each turn extending the last; inserting a sequence that extends an entry replaces that entry,
+so a conversation holds one entry, however many turns it has; (2) a hit's KV is one slice of one
+tensor per layer, handed to the prefill as is, where a radix tree would concatenate its nodes' pieces
+at every hit; (3) eviction drops a whole conversation, the unit that goes cold. The price: branches
+sharing a prefix (`n` > 1 samples of one prompt) each store that prefix, and a lookup compares the
+prompt with every entry (numpy, microseconds per entry; a budget of a few hundred MB holds hundreds).
+
+Memory: the entries' KV bytes stay within `budget_bytes`, least recently used (hit or inserted) first
+out. Every weight update empties the cache (its KV came from the old weights), and so does
+`/flush_cache`; both bump `epoch`, so a request whose KV was computed before (an `in_place` pause
+across an update) is not stored when it finishes.
+
+Who does not use it: a request that wants its prompt scored (`logprob_start_len` >= 0, the trainer's
+verification probes among them) is prefilled whole, so its prompt logits are all computed.
+
+Batching hits and misses: each row's cached KV is left-padded to the widest hit, its remaining tokens
+left-padded to the longest remainder; the attention mask is [prefix mask | suffix mask], which has a
+hole in the middle of rows whose hit is shorter than the widest, and position ids count each row's real
+tokens (as `kvbatch.py` does). After the forward pass `close_holes` packs every row's real columns to
+the right again, so the running batch stays plainly left-padded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.engine.server.kvbatch import KV, KVBatch, left_pad
+from pipeline.engine.server.sequences import Seq
+
+log = logging.getLogger("arl.engine.prefix_cache")
+
+STORED_FINISHES = ("stop", "length")
+"""Finish types whose KV is kept (an aborted request's KV may be cut short or come from a failed step)."""
+
+
+@dataclass
+class CacheHit:
+    """The first `length` tokens of a prompt, found in the cache, and their KV ([1, kv_heads, length, head_dim])."""
+
+    length: int
+    kv: KV
+
+
+@dataclass
+class _Entry:
+    tokens: np.ndarray  # int64 [L]
+    kv: KV  # per layer (key, value), [1, kv_heads, L, head_dim], contiguous
+    nbytes: int
+
+
+class PrefixCache:
+    """Token-prefix → KV entries under a byte budget, LRU eviction (see the module docstring). Thread-safe."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.epoch = 0
+        """Bumped by `clear`: KV computed in an older epoch is never stored."""
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
+        self._next_id = 0
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.lookups = 0
+        self.hits = 0
+        self.tokens_reused = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def lookup(self, tokens: Sequence[int]) -> CacheHit | None:
+        """The longest cached prefix of `tokens` that leaves at least one token to compute, or None."""
+        usable = len(tokens) - 1
+        query = np.asarray(tokens, dtype=np.int64)
+        with self._lock:
+            self.lookups += 1
+            best_id, best = -1, 0
+            for entry_id, entry in self._entries.items():
+                n = min(_common_prefix(entry.tokens, query), usable)
+                if n > best:
+                    best_id, best = entry_id, n
+            if best == 0:
+                return None
+            self._entries.move_to_end(best_id)
+            self.hits += 1
+            self.tokens_reused += best
+            kv = self._entries[best_id].kv
+        return CacheHit(best, [(k[:, :, :best], v[:, :, :best]) for k, v in kv])
+
+    def covered(self, tokens: Sequence[int]) -> bool:
+        """Whether an entry already holds all of `tokens` (inserting them would store nothing new)."""
+        query = np.asarray(tokens, dtype=np.int64)
+        with self._lock:
+            return any(len(e.tokens) >= len(query) and _common_prefix(e.tokens, query) == len(query)
+                       for e in self._entries.values())  # fmt: skip
+
+    def insert(self, tokens: Sequence[int], kv: KV) -> bool:
+        """Store `kv` (contiguous, [1, kv_heads, len(tokens), head_dim] per layer) for `tokens`.
+
+        Entries that `tokens` extends are replaced; nothing is stored when an entry already extends
+        `tokens` (it is marked used instead) or when the KV alone exceeds the budget. Then the least
+        recently used entries leave until the total fits. Returns whether `kv` was stored.
+        """
+        query = np.asarray(tokens, dtype=np.int64)
+        nbytes = kv_bytes(kv)
+        if not len(query) or nbytes > self.budget_bytes:
+            return False
+        with self._lock:
+            subsumed = []
+            for entry_id, entry in self._entries.items():
+                common = _common_prefix(entry.tokens, query)
+                if common == len(query):  # an entry holds these tokens and maybe more
+                    self._entries.move_to_end(entry_id)
+                    return False
+                if common == len(entry.tokens):
+                    subsumed.append(entry_id)
+            for entry_id in subsumed:
+                self._bytes -= self._entries.pop(entry_id).nbytes
+            self._entries[self._next_id] = _Entry(query, kv, nbytes)
+            self._next_id += 1
+            self._bytes += nbytes
+            while self._bytes > self.budget_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._bytes -= evicted.nbytes
+                self.evictions += 1
+        return True
+
+    def clear(self) -> tuple[int, int]:
+        """Drop every entry and start a new epoch; returns (entries, bytes) dropped."""
+        with self._lock:
+            dropped = (len(self._entries), self._bytes)
+            self._entries.clear()
+            self._bytes = 0
+            self.epoch += 1
+        return dropped
+
+    def stats(self) -> dict[str, int]:
+        """What `/server_info` reports."""
+        with self._lock:
+            return {
+                "entries": len(self._entries),
+                "tokens": sum(len(e.tokens) for e in self._entries.values()),
+                "bytes": self._bytes,
+                "budget_bytes": self.budget_bytes,
+                "lookups": self.lookups,
+                "hits": self.hits,
+                "tokens_reused": self.tokens_reused,
+                "evictions": self.evictions,
+            }
+
+
+def kv_bytes(kv: KV) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+# -- the scheduler's side: prefill from hits, store finished sequences -------------------------------
+
+
+@dataclass
+class PrefillInputs:
+    """One prefill forward pass of fresh sequences, some of them starting from cached KV."""
+
+    ids: torch.Tensor
+    """[B, S] the tokens to compute, left-padded."""
+    mask: torch.Tensor
+    """[B, P + S] attention mask over the cached columns (P) and the computed ones; 1 = real token."""
+    positions: torch.Tensor
+    """[B, S] position ids: the count of real tokens before each one."""
+    past: KV | None
+    """Per layer [B, kv_heads, P, head_dim] the cached KV, left-padded with zeros; None when no row hit."""
+
+
+def prefill_inputs(cache: PrefixCache | None, fresh: list[Seq], pad_id: int, device: torch.device) -> PrefillInputs:
+    """Look up each sequence's prefix (not for those that want their prompt scored) and build the prefill.
+
+    Sets each sequence's `cached_tokens` (prompt tokens served from the cache) and `cache_epoch`.
+    """
+    tokens = [s.req.input_ids + s.output for s in fresh]
+    hits: list[CacheHit | None] = [None] * len(fresh)
+    if cache is not None:
+        for row, seq in enumerate(fresh):
+            seq.cache_epoch = cache.epoch
+            if seq.req.logprob_start_len < 0:
+                hits[row] = cache.lookup(tokens[row])
+    for seq, hit in zip(fresh, hits, strict=True):
+        if hit is not None:
+            seq.cached_tokens = max(seq.cached_tokens, min(hit.length, len(seq.req.input_ids)))
+    found = [h for h in hits if h is not None]
+    if not found:
+        ids, mask = left_pad(tokens, pad_id, device)
+        return PrefillInputs(ids, mask, (mask.cumsum(dim=1) - 1).clamp(min=0), None)
+    width = max(h.length for h in found)
+    cached = [h.length if h is not None else 0 for h in hits]
+    ids, suffix_mask = left_pad([t[n:] for t, n in zip(tokens, cached, strict=True)], pad_id, device)
+    prefix_mask = torch.zeros((len(fresh), width), dtype=torch.long)
+    for row, n in enumerate(cached):
+        prefix_mask[row, width - n :] = 1
+    mask = torch.cat([prefix_mask.to(device), suffix_mask], dim=1)
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)[:, width:]
+    past = []
+    for layer in range(len(found[0].kv)):
+        keys, values = [], []
+        template = found[0].kv[layer][0]
+        for hit in hits:
+            k, v = hit.kv[layer] if hit is not None else (template[:, :, :0], template[:, :, :0])
+            keys.append(_left_pad_kv(k, width))
+            values.append(_left_pad_kv(v, width))
+        past.append((torch.cat(keys), torch.cat(values)))
+    return PrefillInputs(ids, mask, positions, past)
+
+
+def close_holes(batch: KVBatch) -> KVBatch:
+    """Pack each row's real columns to the right (plain left padding again); a hole-free batch as is."""
+    mask = batch.mask.bool()
+    counts = mask.sum(dim=1)
+    columns = torch.arange(batch.width, device=mask.device).unsqueeze(0)
+    if bool((mask == (columns >= (batch.width - counts).unsqueeze(1))).all()):
+        return batch.trim_left()  # already plainly left-padded
+    width = int(counts.max())
+    # Per row, its column indices with the padding first and the real ones last, in their order (stable
+    # sort); the last `width` of them: the real columns, right-aligned, after some padding ones (zeroed).
+    order = torch.sort(batch.mask, dim=1, stable=True).indices[:, -width:]
+    new_mask = (torch.arange(width, device=mask.device).unsqueeze(0) >= (width - counts).unsqueeze(1)).long()
+    keep = new_mask.bool()[:, None, :, None]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        index = order[:, None, :, None].expand(t.shape[0], t.shape[1], width, t.shape[3])
+        return torch.where(keep, t.gather(2, index), torch.zeros((), dtype=t.dtype, device=t.device))
+
+    return KVBatch([(pack(k), pack(v)) for k, v in batch.kv], new_mask)
+
+
+def store_finished(cache: PrefixCache, seqs: list[Seq], batch: KVBatch) -> None:
+    """Store the KV of the rows of `batch` (row i is `seqs[i]`) whose sequences finished with stop or length."""
+    if batch.rows != len(seqs):
+        return
+    for row, seq in enumerate(seqs):
+        if seq.finish is None or seq.finish.get("type") not in STORED_FINISHES or seq.cache_epoch != cache.epoch:
+            continue
+        tokens = seq.req.input_ids + seq.output[:-1]  # the last sampled token has no KV yet
+        columns = batch.mask[row].nonzero().squeeze(1)
+        if columns.numel() != len(tokens):
+            log.warning("not caching %s: %d KV columns for %d tokens", seq.req.rid, columns.numel(), len(tokens))
+            continue
+        if len(tokens) < 2 or cache.covered(tokens) or _row_bytes(batch, len(tokens)) > cache.budget_bytes:
+            continue
+        cache.insert(tokens, [(k[row : row + 1].index_select(2, columns), v[row : row + 1].index_select(2, columns))
+                              for k, v in batch.kv])  # fmt: skip
+
+
+def _row_bytes(batch: KVBatch, length: int) -> int:
+    return sum(length * (k[0, :, 0].numel() * k.element_size() + v[0, :, 0].numel() * v.element_size())
+               for k, v in batch.kv)  # fmt: skip
+
+
+def _left_pad_kv(t: torch.Tensor, width: int) -> torch.Tensor:
+    missing = width - t.shape[2]
+    if missing == 0:
+        return t
+    return torch.cat([t.new_zeros(t.shape[0], t.shape[1], missing, t.shape[3]), t], dim=2)
+
+
+def describe(cache: PrefixCache | None) -> dict[str, Any]:
+    """`server_info`'s `prefix_cache` field (zeros when the cache is off)."""
+    if cache is None:
+        return {"entries": 0, "tokens": 0, "bytes": 0, "budget_bytes": 0, "lookups": 0, "hits": 0,
+                "tokens_reused": 0, "evictions": 0}  # fmt: skip
+    return cache.stats()
