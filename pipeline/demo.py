@@ -29,15 +29,16 @@ DEMO_CONFIG = REPO_ROOT / "examples" / "demo.yaml"
 console = Console()
 
 
-def run_demo(steps: int, workdir: Path, max_staleness: int = 1) -> int:
-    """Run the demo; returns the launcher's exit status (0 = every stage finished)."""
+def run_demo(steps: int, workdir: Path, max_staleness: int = 1, overrides: list[str] | None = None) -> int:
+    """Run the demo; returns the launcher's exit status (0 = every stage finished). `overrides`
+    (`key.sub=value`) are passed to `arl launch` after the demo's own, so they win."""
     if not DEMO_CONFIG.exists():
         raise ArlError(f"demo config not found at {DEMO_CONFIG}: run `arl demo` from a source checkout")
     model_dir = ensure_tiny_model(workdir / "tiny-model")
     trial = datetime.now().strftime("demo-%Y%m%d-%H%M%S")
     paths = RunPaths.from_config(workdir, "demo", trial)
     overrides = [f"fileroot={workdir}", f"trial_name={trial}", f"num_steps={steps}", f"model.path={model_dir}",
-                 f"rollout.max_staleness={max_staleness}"]  # fmt: skip
+                 f"rollout.max_staleness={max_staleness}", *(overrides or [])]  # fmt: skip
     console.print(f"[bold]arl demo[/]: {steps} steps on a tiny model, run dir [cyan]{paths.root}[/]")
     started = time.monotonic()
     code = _launch_and_watch(overrides, paths, steps)
