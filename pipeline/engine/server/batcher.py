@@ -4,7 +4,9 @@ Each loop iteration: run queued commands (aborts, pause, weight loads) → admit
 (prefilled together as one left-padded batch, then merged into the running batch) → one decode
 step for every running sequence → deliver the new tokens to the waiting HTTP handlers. A request
 that arrives mid-generation starts at the next iteration; a finished sequence leaves the batch
-at once, so nobody waits for an unrelated long completion.
+at once, so nobody waits for an unrelated long completion. With a prefix cache (`prefix_cache.py`),
+admission prefills each prompt from its longest cached prefix on, and a finished sequence's KV is kept
+there; every applied weight update empties it.
 
 Prompt logprobs (`logprob_start_len` >= 0, SGLang's input logprobs): such a request is prefilled as
 a batch of its own, keeping the logits of the scored positions only (`logits_to_keep`), so the other
