@@ -74,6 +74,30 @@ async def test_concurrent_requests_of_different_lengths_match_teacher_forcing(se
         assert_close(lp_values(data), teacher_forced(reference, prompt, data["output_ids"]))
 
 
+async def test_long_completions_outgrow_the_kv_buffers_and_match_teacher_forcing(server: ServerHandle, reference: Any):
+    """Completions longer than the batch's spare KV columns (`kvbatch.SPARE_COLUMNS`), joining and leaving
+    a running batch at different steps, so the buffers are moved to bigger ones mid-generation."""
+    from pipeline.engine.server.kvbatch import SPARE_COLUMNS
+
+    lengths = [SPARE_COLUMNS * 2 + 7 * i for i in range(4)]
+
+    async def one(client: httpx.AsyncClient, index: int) -> tuple[list[int], dict[str, Any]]:
+        await asyncio.sleep(0.05 * index)
+        prompt = [7 + index] * (2 + 9 * index) + [60, 61]
+        sampling = {"max_new_tokens": lengths[index], "temperature": 1.0, "ignore_eos": True}
+        resp = await client.post(
+            server.url + "/generate", json={"input_ids": prompt, "sampling_params": sampling, "return_logprob": True}
+        )
+        assert resp.status_code == 200, resp.text
+        return prompt, resp.json()
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        results = await asyncio.gather(*(one(client, i) for i in range(len(lengths))))
+    for (prompt, data), length in zip(results, lengths, strict=True):
+        assert len(data["output_ids"]) == length
+        assert_close(lp_values(data), teacher_forced(reference, prompt, data["output_ids"]))
+
+
 def test_batched_input_ids_answer_a_list_in_order(server: ServerHandle, reference: Any):
     prompts = [[7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20]]
     body = {

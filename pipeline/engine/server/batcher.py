@@ -297,15 +297,10 @@ class Scheduler:
         if self.decode_delay_s:
             time.sleep(self.decode_delay_s)
         last = torch.tensor([[s.output[-1]] for s in self._running], device=self.device)
-        mask = torch.cat([self._batch.mask, self._batch.mask.new_ones(self._batch.rows, 1)], dim=1)
+        mask, positions, cache = self._batch.decode_inputs(self.model.config)  # the forward extends `cache` in place
         out = self.model(
-            input_ids=last,
-            attention_mask=mask,
-            position_ids=self._batch.lengths(),
-            past_key_values=dynamic_cache(self._batch.kv, self.model.config),
-            use_cache=True,
+            input_ids=last, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
         )
-        self._batch = KVBatch(cache_tensors(out.past_key_values), mask)
         self._sample(self._running, out.logits[:, -1])
         self._drop_finished()
 
