@@ -119,3 +119,18 @@ def test_top_logprobs_num_above_the_vocabulary_returns_the_whole_vocabulary():
     logits = logits_batch(rows=1, vocab=6)
     out = sample_batch(logits, [RowSampling(temperature=0.0, top_logprobs_num=20)])
     assert out.top[0] is not None and sorted(t for _, t in out.top[0]) == list(range(6))
+
+
+def test_draws_follow_the_distribution_and_never_pick_a_zero_probability_token():
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.05])
+    rows = 20000
+    out = sample_batch(
+        torch.log(probs).repeat(rows, 1), [RowSampling()] * rows, generator=torch.Generator().manual_seed(0)
+    )
+    freq = torch.bincount(torch.tensor(out.tokens), minlength=5).double() / rows
+    assert freq[1] == 0
+    assert torch.allclose(freq, probs.double(), atol=0.015), freq.tolist()
+    truncated = sample_batch(torch.log(probs).repeat(rows, 1), [RowSampling(top_k=2)] * rows,
+                             generator=torch.Generator().manual_seed(1))  # fmt: skip
+    freq = torch.bincount(torch.tensor(truncated.tokens), minlength=5).double() / rows
+    assert torch.allclose(freq, torch.tensor([2 / 3, 0, 0, 1 / 3, 0], dtype=torch.float64), atol=0.015), freq.tolist()

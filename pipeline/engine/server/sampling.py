@@ -86,22 +86,31 @@ def sample_batch(
         raise ValueError(f"{logits.shape[0]} rows of logits but {len(rows)} sampling rows")
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    tokens = torch.argmax(logits, dim=-1)
-    chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
     source = raw_logprobs  # per row, the distribution its returned logprobs are read from
     sampled = [i for i, row in enumerate(rows) if not row.greedy]
-    if sampled:
-        index = torch.tensor(sampled, device=logits.device)
-        sub_rows = [rows[i] for i in sampled]
-        temps = torch.tensor([r.temperature for r in sub_rows], device=logits.device, dtype=logits.dtype)
-        scaled_logprobs = torch.log_softmax(logits[index] / temps[:, None], dim=-1)
-        sub_tokens = _draw(scaled_logprobs.exp(), sub_rows, generator)
-        sub_source = raw_logprobs[index] if return_original_logprob else scaled_logprobs
-        tokens[index] = sub_tokens
-        chosen[index] = sub_source.gather(1, sub_tokens[:, None])[:, 0]
-        if not return_original_logprob and any(r.top_logprobs_num > 0 for r in sub_rows):
-            source = raw_logprobs.index_copy(0, index, scaled_logprobs)
+    if len(sampled) == len(rows):  # every row samples (the usual case): no row indexing
+        scaled_logprobs = _scaled(logits, raw_logprobs, rows)
+        tokens = _draw(scaled_logprobs.exp(), rows, generator)
+        source = raw_logprobs if return_original_logprob else scaled_logprobs
+    else:
+        tokens = torch.argmax(logits, dim=-1)
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)
+            sub_rows = [rows[i] for i in sampled]
+            scaled_logprobs = _scaled(logits[index], raw_logprobs[index], sub_rows)
+            tokens[index] = _draw(scaled_logprobs.exp(), sub_rows, generator)
+            if not return_original_logprob:
+                source = raw_logprobs.index_copy(0, index, scaled_logprobs)
+    chosen = source.gather(1, tokens[:, None])[:, 0]
     return Sampled(tokens.tolist(), chosen.tolist(), _top(source, rows))
+
+
+def _scaled(logits: torch.Tensor, raw_logprobs: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+    """`log_softmax(logits / temperature)` per row; the raw logprobs themselves when every temperature is 1."""
+    if all(r.temperature == 1.0 for r in rows):
+        return raw_logprobs  # dividing by 1 changes nothing
+    temps = torch.tensor([r.temperature for r in rows], device=logits.device, dtype=logits.dtype)
+    return torch.log_softmax(logits / temps[:, None], dim=-1)
 
 
 def _top(source: torch.Tensor, rows: list[RowSampling]) -> list[TopEntry | None]:
@@ -126,11 +135,27 @@ def _draw(probs: torch.Tensor, rows: list[RowSampling], generator: torch.Generat
         sorted_probs = _truncate(sorted_probs, rows)
     else:
         sorted_probs, order = probs, None
-    own = [i for i, r in enumerate(rows) if r.generator is not None]
-    picks = torch.multinomial(sorted_probs, 1, generator=generator)[:, 0]
-    for i in own:  # rows with their own seed draw from their own generator (reproducible per request)
-        picks[i] = torch.multinomial(sorted_probs[i], 1, generator=rows[i].generator)[0]
+    picks = _invert_cdf(sorted_probs, rows, generator)
     return picks if order is None else order.gather(1, picks[:, None])[:, 0]
+
+
+def _invert_cdf(weights: torch.Tensor, rows: list[RowSampling], generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row of `weights` (>= 0, any scale), index i with probability weights[i] / sum.
+
+    Inverse transform sampling: one uniform per row, located in the row's cumulative sum (float64, so
+    rounding does not shift the mass of rare tokens). Why not `torch.multinomial`: on CPU it draws one
+    random number per vocabulary entry (~0.4 ms for 32 x 512, a tenth of a tiny model's decode step)
+    where this draws one per row (~0.03 ms); the distribution is the same.
+    """
+    cdf = weights.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand(weights.shape[0], 1, generator=generator, dtype=torch.float64, device=weights.device)
+    for i, row in enumerate(rows):  # rows with their own seed draw from their own generator (reproducible per request)
+        if row.generator is not None:
+            u[i] = torch.rand(1, generator=row.generator, dtype=torch.float64, device=weights.device)
+    # Strictly below the total, so the first entry whose cumulative sum exceeds it has weight > 0.
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)[:, 0]
 
 
 def _truncate(sorted_probs: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
