@@ -4,6 +4,7 @@ clearing; and the tensor plumbing of a prefill from hits (mask, positions, hole 
 from __future__ import annotations
 
 import asyncio
+import random
 
 import torch
 
@@ -46,6 +47,34 @@ def test_an_extension_replaces_its_prefix_and_a_prefix_adds_nothing() -> None:
     assert cache.covered([1, 2, 3, 4]) and not cache.covered([1, 2, 3, 4, 5, 6])
     assert cache.insert([1, 2, 7], kv_for([1, 2, 7]))  # a branch: its own entry
     assert len(cache) == 2 and cache.nbytes == 8 * TOKEN_BYTES
+
+
+def test_lookups_and_inserts_agree_with_comparing_every_entry() -> None:
+    """The sorted index (neighbours, walk-down for extended entries) against the plain definition: many
+    random branching sequences over 3 token ids, so entries share prefixes of every length."""
+    rng = random.Random(0)
+    cache = PrefixCache(1 << 30)
+    entries: list[tuple[int, ...]] = []  # the reference: what a scan of every entry would keep
+
+    def common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    for _ in range(600):
+        tokens = tuple(rng.randrange(3) for _ in range(rng.randint(1, 9)))
+        best = max((min(common(e, tokens), len(tokens) - 1) for e in entries), default=0)
+        hit = cache.lookup(tokens)
+        assert (hit.length if hit is not None else 0) == best, tokens
+        covered = any(e[: len(tokens)] == tokens for e in entries)
+        assert cache.covered(tokens) == covered
+        if rng.random() < 0.5:
+            assert cache.insert(tokens, kv_for(list(tokens))) == (not covered)
+            if not covered:
+                entries = [e for e in entries if tokens[: len(e)] != e] + [tokens]
+        assert len(cache) == len(entries)
+    assert cache.nbytes == sum(len(e) for e in entries) * TOKEN_BYTES
 
 
 def test_least_recently_used_entries_leave_first_and_bytes_stay_within_budget() -> None:
