@@ -98,6 +98,18 @@ async def test_long_completions_outgrow_the_kv_buffers_and_match_teacher_forcing
         assert_close(lp_values(data), teacher_forced(reference, prompt, data["output_ids"]))
 
 
+async def test_a_request_that_is_not_streamed_gets_one_event_holding_every_token(server: ServerHandle):
+    from pipeline.engine.server.requests import WorkItem
+    from schemas.engine_api import SamplingParams
+
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True)
+    whole = [e async for e in server.server.generate(WorkItem("one-event", [5, 6, 7], params, 12, True), stream=False)]
+    assert len(whole) == 1 and len(whole[0].new_ids) == 12 and len(whole[0].new_logprobs) == 12
+    assert whole[0].finish == {"type": "length", "length": 12}
+    streamed = [e async for e in server.server.generate(WorkItem("per-step", [5, 6, 7], params, 12, True), stream=True)]
+    assert [len(e.new_ids) for e in streamed] == [1] * 12 and streamed[-1].finish is not None
+
+
 def test_batched_input_ids_answer_a_list_in_order(server: ServerHandle, reference: Any):
     prompts = [[7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20]]
     body = {

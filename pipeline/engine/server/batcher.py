@@ -2,9 +2,10 @@
 
 Each loop iteration: run queued commands (aborts, pause, weight loads) → admit waiting requests
 (prefilled together as one left-padded batch, then merged into the running batch) → one decode
-step for every running sequence → deliver the new tokens to the waiting HTTP handlers. A request
-that arrives mid-generation starts at the next iteration; a finished sequence leaves the batch
-at once, so nobody waits for an unrelated long completion. With a prefix cache (`prefix_cache.py`),
+step for every running sequence → deliver the new tokens to the waiting HTTP handlers (a request that
+is not streamed gets them all in one event when it finishes). A request that arrives mid-generation
+starts at the next iteration; a finished sequence leaves the batch at once, so nobody waits for an
+unrelated long completion. With a prefix cache (`prefix_cache.py`),
 admission prefills each prompt from its longest cached prefix on, and a finished sequence's KV is kept
 there; every applied weight update empties it.
 
@@ -320,7 +321,7 @@ class Scheduler:
             finish = self._check_finish(seq, token)
             if finish is not None:
                 self._finish(seq, finish)
-            else:
+            elif seq.req.stream:
                 self._outbox.append((seq, self._progress(seq)))
 
     def _check_finish(self, seq: Seq, token: int) -> dict[str, Any] | None:

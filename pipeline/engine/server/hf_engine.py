@@ -94,7 +94,8 @@ class HFEngine(WeightUpdates):
 
     # -- generation -------------------------------------------------------------------------
     async def generate(self, item: WorkItem, *, stream: bool) -> AsyncGenerator[Progress, None]:
-        """The scheduler's events for `item` (streamed or not: the same); aborts it if closed early."""
+        """The scheduler's events for `item` (not streamed: only the last, holding everything); aborts it if closed
+        early."""
         params = item.params
         queue: asyncio.Queue[Progress] = asyncio.Queue()
         top_k = item.top_logprobs_num if item.return_logprob else 0  # zero: no top-k work for this row
@@ -111,6 +112,7 @@ class HFEngine(WeightUpdates):
             loop=asyncio.get_running_loop(),
             events=queue,
             logprob_start_len=item.logprob_start_len if item.return_logprob else -1,
+            stream=stream,
         )
         self.scheduler.submit(request)
         finished = False

@@ -25,6 +25,9 @@ class GenRequest:
     events: asyncio.Queue[Progress]
     logprob_start_len: int = -1
     """Score the prompt from this position on (SGLang's input logprobs); -1: no."""
+    stream: bool = True
+    """Deliver each step's tokens as they come; False: one event when the request finishes (nobody reads the
+    intermediate ones, and each costs the event loop a wake-up per token while it shares the CPU with the model)."""
 
 
 @dataclass
