@@ -13,22 +13,21 @@ Speed must not be bought with learning, so beside the wall times it prints the t
 (samples whose tokens span two weight versions: > 0 only with interrupt) and the mean
 `time_publish_s` (with wait it includes the drain).
 
-Demo settings (overrides, the same for all three runs). As shipped, the demo is train-bound on
-a CPU: the rollout of a step (64 replies of at most 6 tokens, all at once) takes ~1 s, a training
-step several, so the next step's rollout is finished before the trainer publishes; no request is
-ever in flight at a publication and the two update modes cannot differ. They differ only when a
-publication meets requests in flight, i.e. when generation is the bottleneck (as in real RL runs).
-So here the agent asks for `--max-tokens` (default 64, `proxy.max_tokens_limit`) and the rollout
-runs at most `--concurrency` (default 2) sessions at a time: the server's batch is much smaller
-than a step (as when a step has more runs than the servers have slots), generation takes longer
-than training, and each publication lands mid-rollout. Lengths vary only where the random-init
-model samples EOS before `max_tokens`. What wait costs is the drain: the rest of the longest
-completion in flight, with a shrinking batch and new requests held; with replies this short and
-a step's rollout waiting for its whole batch anyway, expect it to be small against a step.
+Settings (overrides, the same for all three runs). As shipped, the demo is train-bound on a CPU: the
+rollout of a step (64 replies of at most 6 tokens, all at once) takes ~1 s, a training step several,
+so the next step's rollout is finished before the trainer publishes; no request is ever in flight at a
+publication and the two update modes cannot differ. They differ when a publication meets requests in
+flight (generation the bottleneck, as in real RL runs) whose lengths vary: what `wait` costs is the
+drain, the rest of the longest completion in flight while the batch shrinks and new requests are held.
+So the runs use `benchmarks/_long_tail_agent.py` (`--agent long_tail`, default): the demo's task and
+reward, replies of `--short` tokens (8) and, with probability `--long-share` (0.2), `--long` tokens
+(192), as agents' turns are long-tailed; the rollout runs at most `--concurrency` (8) sessions at a
+time. `--agent demo` runs the demo agent with `--max-tokens` instead. `--set KEY=VALUE` (repeatable)
+adds overrides to every run (e.g. `inference.device=cuda trainer.device=cuda model.path=...` on a GPU).
 Goals: interrupt >= 1.15x faster than wait; async interrupt >= 3x faster than sync (overlap alone
 gives at most 2x: `max(rollout, train)` instead of their sum, and the stages' start-up is common).
 The tiny model is made before the timed runs. Numbers come from one run each: noisy on a shared CPU.
-Usage: python benchmarks/async_vs_sync.py [--steps N] [--max-tokens T] [--concurrency C]
+Usage: python benchmarks/async_vs_sync.py [--steps N] [--agent long_tail|demo] [--concurrency C] [--set K=V]
 """
 
 from __future__ import annotations
@@ -75,18 +74,32 @@ def run_demo(label: str, staleness: int, update_mode: str, args: argparse.Namesp
     demo_dir = workdir / "demo"
     before = set(demo_dir.iterdir()) if demo_dir.exists() else set()
     overrides = [f"inference.update_mode={update_mode}", f"rollout.max_concurrency={args.concurrency}",
-                 f"rollout.agent_kwargs={{max_tokens: {args.max_tokens}}}"]  # fmt: skip
+                 *agent_overrides(args), *args.set]  # fmt: skip
     cmd = [sys.executable, "-m", "pipeline.cli", "demo", *overrides, "--steps", str(args.steps),
            "--workdir", str(workdir), "--max-staleness", str(staleness)]  # fmt: skip
     print(f"-- {label}: {' '.join(cmd[3:])}", flush=True)
     started = time.monotonic()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=REPO_ROOT)
+    log = workdir / f"{label}.log"
+    with open(log, "wb") as out:
+        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT).returncode
+    if code != 0:
+        raise RuntimeError(f"the {label} run failed (exit {code}); its output ends:\n{log.read_text()[-4000:]}")
     wall_s = time.monotonic() - started
     (run_dir,) = [p for p in set(demo_dir.iterdir()) - before if p.is_dir()]
     train = read_jsonl(RunPaths(run_dir).train_metrics)
     if len(train) != args.steps:
         raise RuntimeError(f"{run_dir}: {len(train)} train metrics rows for {args.steps} steps")
     return Run(label, wall_s, train)
+
+
+def agent_overrides(args: argparse.Namespace) -> list[str]:
+    if args.agent == "demo":
+        return [f"rollout.agent_kwargs={{max_tokens: {args.max_tokens}}}"]
+    return [
+        "rollout.agent=benchmarks/_long_tail_agent.py:LongTailAgent",
+        f"proxy.max_tokens_limit={args.long}",
+        f"rollout.agent_kwargs={{short: {args.short}, long: {args.long}, long_share: {args.long_share}}}",
+    ]
 
 
 def print_rewards(runs: list[Run]) -> None:
@@ -107,12 +120,18 @@ def verdict(ratio: float, goal: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=64, help="the demo agent's max_tokens per reply")
-    parser.add_argument("--concurrency", type=int, default=2, help="rollout.max_concurrency (64 runs per step)")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--agent", choices=["long_tail", "demo"], default="long_tail")
+    parser.add_argument("--max-tokens", type=int, default=64, help="--agent demo: max_tokens per reply")
+    parser.add_argument("--short", type=int, default=8, help="--agent long_tail: tokens of most replies")
+    parser.add_argument("--long", type=int, default=192, help="--agent long_tail: tokens of the long replies")
+    parser.add_argument("--long-share", type=float, default=0.2, help="--agent long_tail: share of long replies")
+    parser.add_argument("--concurrency", type=int, default=8, help="rollout.max_concurrency (64 runs per step)")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the runs here (default: a temp dir)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        workdir = Path(tmp)
+        workdir = args.workdir or Path(tmp)
         ensure_tiny_model(workdir / "tiny-model")
         runs = [run_demo(label, staleness, mode, args, workdir) for label, staleness, mode in RUNS]
     sync, wait, interrupt = runs
@@ -131,7 +150,11 @@ def main() -> None:
           f"wait vs sync {sync.wall_s / wait.wall_s:.2f}x (wall time, start-up included)")  # fmt: skip
     for goal, outcome in targets.items():
         print(f"goal {goal}: {outcome}")
-    figures: dict[str, Any] = {"steps": args.steps, "max_tokens": args.max_tokens, "max_concurrency": args.concurrency}
+    figures: dict[str, Any] = {"steps": args.steps, "agent": args.agent, "max_concurrency": args.concurrency}
+    if args.agent == "long_tail":
+        figures.update({"reply tokens": f"{args.short} or {args.long} ({args.long_share:.0%})"})
+    else:
+        figures["max_tokens"] = args.max_tokens
     for r in runs:
         rewards = r.column("reward_mean")
         figures[f"{r.label} wall s"] = round(r.wall_s, 1)
