@@ -127,4 +127,3 @@ def version_mix(data: StepData) -> dict[str, float]:
         "token_staleness_mean": float(every.mean()) if every.size else 0.0,
         "mixed_version_samples": int(mixed),
     }
-

@@ -249,4 +249,3 @@ async def maybe_stall() -> None:
     if seconds > 0:
         log.warning("%s: holding this weight update %.1fs before applying it", STALL_ENV, seconds)
         await asyncio.sleep(seconds)
-

@@ -236,4 +236,3 @@ def splice_top(body: str, positions: list[str]) -> str:
     if not body.endswith("}}"):
         raise ValueError("splice_top needs the JSON of a response() object (meta_info last)")
     return f'{body[:-2]}, "output_top_logprobs": [{", ".join(positions)}]}}}}'
-
