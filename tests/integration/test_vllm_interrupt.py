@@ -21,7 +21,8 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from vllm_process import VLLMServer, vllm_server  # tests/integration is on sys.path (pytest)
+from test_engine_weight_updates import load, teacher_forced  # tests/integration is on sys.path (pytest)
+from vllm_process import VLLMServer, vllm_server
 
 from pipeline.engine.client import EngineClient
 from pipeline.engine.net import free_port
@@ -54,18 +55,6 @@ def other_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 
     root = tmp_path_factory.mktemp("vllm_versions")
     return {v: make_tiny_model(root / f"seed{v}", template="qwen", seed=v) for v in (1, 2)}
-
-
-def load(path: Path) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-
-
-def teacher_forced(model: Any, prompt: list[int], output: list[int]) -> list[float]:
-    with torch.no_grad():
-        logprobs = torch.log_softmax(model(input_ids=torch.tensor([prompt + output])).logits[0].float(), dim=-1)
-    return [logprobs[len(prompt) - 1 + i, tok].item() for i, tok in enumerate(output)]
 
 
 def over_old_kv(old: Any, new: Any, prompt: list[int], output: list[int], switch: int) -> list[float]:
