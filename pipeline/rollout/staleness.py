@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
+from pipeline.engine.client import EngineError
 from pipeline.errors import WaitTimeout
 from pipeline.paths import RunPaths
 from pipeline.weight_version import published_version
@@ -38,25 +39,35 @@ async def wait_for_version(
 ) -> int:
     """Wait until the published version (and the engines' reported one) is >= `needed`; return it.
 
-    On timeout raise `WaitTimeout` naming state/weight_version.json, the trainer stage and its log.
+    No server answering (none registered, or all restarting: an inference stage that is being replaced,
+    servers taken out by a failed weight swap) is waited out like an old version, within the same deadline.
+    On timeout raise `WaitTimeout` naming state/weight_version.json, the trainer stage and its log, and
+    the servers' last error.
     """
     deadline = time.monotonic() + timeout_s
     last_note = 0.0
     file_version = engine = -1
+    unreachable = ""
     while True:
         file_version = published_version(paths)
         if file_version >= needed:
-            engine = await engine_version() if engine_version is not None else file_version
+            try:
+                engine = await engine_version() if engine_version is not None else file_version
+                unreachable = ""
+            except EngineError as exc:
+                engine, unreachable = -1, str(exc)
             if engine >= needed:
                 return min(file_version, engine)
         now = time.monotonic()
         if now >= deadline:
             break
         if now - last_note > 30:
-            log.info("%s waits for weight version >= %d (published: %d)", what, needed, file_version)
+            log.info("%s waits for weight version >= %d (published: %d)%s", what, needed, file_version,
+                     f"; the servers: {unreachable}" if unreachable else "")  # fmt: skip
             last_note = now
         await asyncio.sleep(min(poll_s, max(deadline - now, 0.0)))
     engines = f"; the engine servers report version {engine}" if engine >= 0 else ""
+    engines += f"; the engine servers did not answer: {unreachable}" if unreachable else ""
     raise WaitTimeout(
         f"timed out after {timeout_s:.0f}s waiting for weight version >= {needed} in {paths.weight_version} "
         f"(published: {file_version}{engines}), produced by the train stage; see its log: "

@@ -91,6 +91,29 @@ async def test_wait_also_needs_the_engines_version(tmp_path: Path) -> None:
         await wait_for_version(paths, 1, timeout_s=0.2, poll_s=0.05, engine_version=engines)
 
 
+async def test_no_server_answering_is_waited_out_within_the_deadline(tmp_path: Path) -> None:
+    """An inference stage being replaced (no server registered for a moment) is not a rollout failure."""
+    from pipeline.engine.client import EngineError
+
+    paths = RunPaths(tmp_path)
+    write_json_atomic(paths.weight_version, {"version": 1, "checkpoint": None})
+    answers: list[int | None] = [None, None, 1]
+
+    async def engines() -> int:
+        answer = answers.pop(0) if len(answers) > 1 else answers[0]
+        if answer is None:
+            raise EngineError("no inference servers known: is the inference stage running?")
+        return answer
+
+    assert await wait_for_version(paths, 1, timeout_s=30, poll_s=0.01, engine_version=engines) == 1
+
+    async def never() -> int:
+        raise EngineError("no inference servers known: is the inference stage running?")
+
+    with pytest.raises(WaitTimeout, match="did not answer: no inference servers known"):
+        await wait_for_version(paths, 1, timeout_s=0.2, poll_s=0.05, engine_version=never)
+
+
 async def test_wait_timeout_names_the_trainer_and_its_log(tmp_path: Path) -> None:
     paths = RunPaths(tmp_path)
     paths.stage_log("train", 3).parent.mkdir(parents=True)
