@@ -49,7 +49,7 @@ from pipeline.engine.server.backend import Progress
 from pipeline.engine.server.kvbatch import KVBatch, cache_tensors, dynamic_cache
 from pipeline.engine.server.prefix_cache import PrefixCache, close_holes, prefill_inputs, store_finished
 from pipeline.engine.server.sampling import prompt_logprobs, sample_batch
-from pipeline.engine.server.sequences import GenRequest, Seq, is_probe, wants_prompt_scored
+from pipeline.engine.server.sequences import GenRequest, Seq, finish_of, is_probe, wants_prompt_scored
 
 log = logging.getLogger("arl.engine.batcher")
 DECODE_DELAY_ENV = "ARL_TEST_DECODE_DELAY_S"
@@ -318,25 +318,11 @@ class Scheduler:
             seq.versions.append(self.weight_version)
             if top is not None:
                 seq.top.append(top)
-            finish = self._check_finish(seq, token)
+            finish = finish_of(seq, token, self.tokenizer, self.max_context)
             if finish is not None:
                 self._finish(seq, finish)
             elif seq.req.stream:
                 self._outbox.append((seq, self._progress(seq)))
-
-    def _check_finish(self, seq: Seq, token: int) -> dict[str, Any] | None:
-        req = seq.req
-        if token in req.stop_token_ids:
-            return {"type": "stop", "matched": token}
-        if req.stop_strings:
-            window = max(len(s) for s in req.stop_strings) * 4 + 4  # a token holds >= 1 byte of text
-            tail = self.tokenizer.decode(seq.output[-window:], skip_special_tokens=False)
-            for stop in req.stop_strings:
-                if stop in tail:
-                    return {"type": "stop", "matched": stop}
-        if len(seq.output) >= req.max_new_tokens or len(req.input_ids) + len(seq.output) >= self.max_context:
-            return {"type": "length", "length": len(seq.output)}
-        return None
 
     def _drop_finished(self) -> None:
         keep = [i for i, s in enumerate(self._running) if s.finish is None]

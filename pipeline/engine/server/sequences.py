@@ -58,3 +58,19 @@ def is_probe(seq: Seq) -> bool:
 
 def wants_prompt_scored(seq: Seq) -> bool:
     return seq.req.logprob_start_len >= 0 and seq.prompt is None
+
+
+def finish_of(seq: Seq, token: int, tokenizer: Any, max_context: int) -> dict[str, Any] | None:
+    """SGLang's `finish_reason` once `token` (just sampled) ends the sequence, else None."""
+    req = seq.req
+    if token in req.stop_token_ids:
+        return {"type": "stop", "matched": token}
+    if req.stop_strings:
+        window = max(len(s) for s in req.stop_strings) * 4 + 4  # a token holds >= 1 byte of text
+        tail = tokenizer.decode(seq.output[-window:], skip_special_tokens=False)
+        for stop in req.stop_strings:
+            if stop in tail:
+                return {"type": "stop", "matched": stop}
+    if len(seq.output) >= req.max_new_tokens or len(req.input_ids) + len(seq.output) >= max_context:
+        return {"type": "length", "length": len(seq.output)}
+    return None
