@@ -13,11 +13,16 @@ Tensors are broadcast from rank 0 one by one, in the order of the `names` list o
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch
+
+from pipeline.engine.net import interface_of, route_source
 
 
 def init_weight_group(
@@ -31,9 +36,15 @@ def init_weight_group(
     timeout_s: float = 600.0,
 ) -> Any:
     """Join (rank 0: host) the broadcast group; blocks until all `world_size` ranks have joined."""
+    timeout = timedelta(seconds=timeout_s)
+    with _gloo_interface(master_address, backend, host=rank == 0):
+        return _join(master_address, master_port, rank, world_size, group_name, backend, timeout)
+
+
+def _join(master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str,
+          timeout: timedelta) -> Any:  # fmt: skip
     import torch.distributed.distributed_c10d as c10d
 
-    timeout = timedelta(seconds=timeout_s)
     store, rank, world_size = next(
         c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
     )
@@ -48,6 +59,32 @@ def init_weight_group(
     )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+@contextlib.contextmanager
+def _gloo_interface(master_address: str, backend: str, *, host: bool) -> Iterator[None]:
+    """While a gloo group is created: its interface, unless `GLOO_SOCKET_IFNAME` already names one.
+
+    Gloo binds to the address the machine's host name resolves to, which on many machines is a
+    loopback alias (Debian's `127.0.1.1`) that no other node reaches. The group's rendezvous address
+    says which interface to use instead: the one holding it (the trainer, which hosts it) or the one
+    on the route to it (a server). `cluster.network_interface` sets `GLOO_SOCKET_IFNAME` explicitly.
+    """
+    if backend != "gloo" or os.environ.get("GLOO_SOCKET_IFNAME") or master_address in ("127.0.0.1", "localhost"):
+        yield
+        return
+    local = master_address if host else route_source(master_address)
+    ifname = interface_of(local)
+    if ifname is None:
+        yield
+        return
+    # Gloo reads the variable when the group is built. No lock: a group joined at the same moment in
+    # another thread of this process (tests only) would at worst fall back to gloo's own choice.
+    os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
 
 
 def destroy_weight_group(group: Any) -> None:

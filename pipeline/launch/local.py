@@ -69,8 +69,8 @@ def start_stage(plan: StagePlan, paths: RunPaths, attempt: int, *, workdir: Path
     handle.write(f"arl: stage {plan.stage} attempt {attempt} on {socket.gethostname()} at "
                  f"{time.strftime('%Y-%m-%dT%H:%M:%S')}: {shlex.join(plan.argv)}\n".encode())  # fmt: skip
     handle.flush()
-    env = {**os.environ, "ARL_RUN_DIR": str(paths.root), "ARL_STAGE": plan.stage, "ARL_ATTEMPT": str(attempt),
-           "ARL_EXECUTOR": "local", "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    env = {**os.environ, **plan.env, "ARL_RUN_DIR": str(paths.root), "ARL_STAGE": plan.stage,
+           "ARL_ATTEMPT": str(attempt), "ARL_EXECUTOR": "local", "PYTHONUNBUFFERED": "1"}  # fmt: skip
     proc = subprocess.Popen(plan.argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             cwd=workdir, env=env, start_new_session=True)  # fmt: skip
     record = JobRecord(stage=plan.stage, attempt=attempt, executor="local", log=str(log), host=socket.gethostname(),

@@ -33,6 +33,8 @@ class StagePlan:
     """Shell lines run first: `cluster.setup`, then the stage's own `setup`."""
     torchrun: bool = False
     """The command expects MASTER_ADDR / MASTER_PORT (set by the sbatch script)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables the stage's processes get (exported by the sbatch script / the local launcher)."""
 
 
 def stages_for(config: ArlConfig) -> list[str]:
@@ -76,18 +78,25 @@ def torchrun_command(resources: StageResources, run_dir: Path, *, python: str | 
     )
 
 
+def stage_env(config: ArlConfig) -> dict[str, str]:
+    """Variables every stage gets: the interface gloo and NCCL use between nodes, when one is configured."""
+    ifname = config.cluster.network_interface
+    return {"GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname} if ifname else {}
+
+
 def plan_stage(config: ArlConfig, stage: str, run_dir: Path, *, python: str | None = None) -> StagePlan:
     resources: StageResources = getattr(config.cluster, stage)
     setup = [*config.cluster.setup, *resources.setup]
+    env = stage_env(config)
     if uses_torchrun(stage, resources):
         argv = ["bash", "-c", torchrun_command(resources, run_dir, python=python)]
-        return StagePlan(stage, argv, resources, setup, torchrun=True)
+        return StagePlan(stage, argv, resources, setup, torchrun=True, env=env)
     if resources.nodes > 1:
         raise ConfigError(
             f"cluster.{stage}.nodes={resources.nodes}: only the trainer spans several nodes; "
             f"set cluster.{stage}.nodes=1 (run more servers with inference.num_servers)"
         )
-    return StagePlan(stage, stage_argv(stage, run_dir, python=python), resources, setup)
+    return StagePlan(stage, stage_argv(stage, run_dir, python=python), resources, setup, env=env)
 
 
 def plan_run(config: ArlConfig, run_dir: Path, *, python: str | None = None) -> list[StagePlan]:
@@ -99,7 +108,8 @@ def sbatch_directives(resources: StageResources) -> list[str]:
     out = [f"--nodes={resources.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={resources.cpus_per_task}",
            f"--time={resources.time_min}"]  # fmt: skip
     optional = {"partition": resources.partition, "account": resources.account, "qos": resources.qos,
-                "constraint": resources.constraint}  # fmt: skip
+                "constraint": resources.constraint, "nodelist": resources.nodelist,
+                "exclude": resources.exclude}  # fmt: skip
     out += [f"--{key}={shlex.quote(value)}" for key, value in optional.items() if value]
     if resources.gpus_per_node > 0:
         out.append(f"--gpus-per-node={resources.gpus_per_node}")

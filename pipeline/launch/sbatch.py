@@ -59,6 +59,7 @@ def render_sbatch(
         directives=sbatch_directives(plan.resources),
         setup=plan.setup,
         torchrun=plan.torchrun,
+        env=[(name, shlex.quote(value)) for name, value in sorted(plan.env.items())],
         submitit=submitit_command is not None,
         command=command,
     )

@@ -32,6 +32,8 @@ class JobState:
     alive: bool
     detail: str = ""
     """Node, elapsed time or exit code, when known."""
+    nodes: str = ""
+    """The Slurm nodes the job ran (or runs) on, as Slurm writes them (`node[1-2]`); "" when unknown."""
 
     @property
     def failed(self) -> bool:
@@ -55,15 +57,19 @@ def slurm_states(job_ids: list[str]) -> dict[str, JobState]:
     for line in _run(["squeue", "-h", "-u", getpass.getuser(), "-o", "%i|%T|%N|%M"]).splitlines():
         job, state, node, elapsed = [*line.split("|"), "", "", ""][:4]
         if job in wanted:
-            states[job] = JobState(state, alive=state in ALIVE_STATES, detail=f"{node} {elapsed}".strip())
+            states[job] = JobState(state, alive=state in ALIVE_STATES, detail=f"{node} {elapsed}".strip(),
+                                   nodes=node if state != "PENDING" else "")  # fmt: skip
     missing = [job for job in job_ids if job not in states]
     if missing:
-        out = _run(["sacct", "-n", "-P", "-X", "-j", ",".join(missing), "-o", "JobIDRaw,State,ExitCode,Elapsed"])
-        for line in out.splitlines():
-            job, state, code, elapsed = [*line.split("|"), "", "", ""][:4]
+        fields = "JobIDRaw,State,ExitCode,Elapsed,NodeList"
+        for line in _run(["sacct", "-n", "-P", "-X", "-j", ",".join(missing), "-o", fields]).splitlines():
+            job, state, code, elapsed, node = [*line.split("|"), "", "", "", ""][:5]
             if job in wanted and job not in states:
                 word = state.split()[0] if state else "UNKNOWN"
-                states[job] = JobState(word, alive=word in ALIVE_STATES, detail=f"exit {code} after {elapsed}")
+                node = "" if node in ("None assigned", "(null)") else node
+                where = f" on {node}" if node else ""
+                states[job] = JobState(word, alive=word in ALIVE_STATES, detail=f"exit {code} after {elapsed}{where}",
+                                       nodes=node)  # fmt: skip
     for job in job_ids:
         if job not in states:
             states[job] = _scontrol_state(job)
@@ -75,7 +81,24 @@ def _scontrol_state(job: str) -> JobState:
     state = fields.get("JobState")
     if state is None:
         return JobState("UNKNOWN", alive=False, detail="not in squeue, sacct or scontrol")
-    return JobState(state, alive=state in ALIVE_STATES, detail=f"exit {fields.get('ExitCode', '?')}")
+    node = fields.get("NodeList", "")
+    node = "" if node in ("(null)", "None") else node
+    where = f" on {node}" if node else ""
+    return JobState(state, alive=state in ALIVE_STATES, detail=f"exit {fields.get('ExitCode', '?')}{where}", nodes=node)
+
+
+def unhealthy_nodes(nodes: str) -> dict[str, str]:
+    """Of the Slurm nodes `nodes` (`node[1-2]` allowed), those down, drained or failing now: node -> state, reason."""
+    if not nodes or not slurm_available():
+        return {}
+    out: dict[str, str] = {}
+    for line in _run(["sinfo", "-h", "-N", "-n", nodes, "-o", "%N|%T|%E"]).splitlines():
+        node, state, reason = [*line.split("|"), "", ""][:3]
+        bad = state.rstrip("*~#!%$@^-").lower()
+        if node and node not in out and (state.endswith("*") or bad.startswith(("down", "drain", "fail", "inval"))):
+            why = f" ({reason})" if reason and reason != "none" else ""
+            out[node] = f"{state}{why}"
+    return out
 
 
 def _run(argv: list[str]) -> str:

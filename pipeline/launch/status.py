@@ -19,7 +19,7 @@ from rich.table import Table
 
 from pipeline.errors import ArlError, SchemaError
 from pipeline.launch.jobs import JobRecord, latest, read_jobs, update_record
-from pipeline.launch.state import JobState, pid_is_ours, record_states
+from pipeline.launch.state import JobState, pid_is_ours, record_states, unhealthy_nodes
 from pipeline.metrics import read_jsonl
 from pipeline.paths import RunPaths
 from pipeline.weight_version import published_version
@@ -41,10 +41,30 @@ def show_status(run_dir: str | Path, *, console: Console | None = None) -> int:
         console.print(recent)
     dead = died(newest, states)
     for record in dead:
-        state = states[(record.stage, record.attempt)]
-        console.print(f"[red]stage {record.stage} died ({state.state}, {state.detail}); see its log: "
-                      f"{record.log}[/red]")  # fmt: skip
+        for line in death_report(record, states[(record.stage, record.attempt)], paths):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
     return 1 if dead else 0
+
+
+def death_report(record: JobRecord, state: JobState, paths: RunPaths) -> list[str]:
+    """What died where, and what to do: which job, on which node, whether that node is down now."""
+    what = f"job {record.job_id}" if record.executor == "slurm" else f"pid {record.pid} on {record.host}"
+    where = f" on {state.nodes}" if state.nodes else ""
+    lines = [f"stage {record.stage} died: {what} (attempt {record.attempt}) ended {state.state}{where}; "
+             f"{state.detail}; its log: {record.log}"]  # fmt: skip
+    resume = (f"`arl launch CONFIG --resume` (the run's config and overrides, from where it was launched; "
+              f"frozen in {paths.config})")  # fmt: skip
+    bad = unhealthy_nodes(state.nodes) if record.executor == "slurm" else {}
+    if bad:
+        lost = ",".join(bad)
+        lines += [f"node {node} is {why} now" for node, why in bad.items()]
+        lines.append(f"what to do: once {lost} is back in service (`sinfo -n {lost}`), {resume}; or now, without "
+                     f"it: add cluster.{record.stage}.exclude={lost}")  # fmt: skip
+    elif state.state == "NODE_FAIL":
+        lines.append(f"what to do: its node failed and is back in service now: {resume}")
+    else:
+        lines.append(f"what to do: read the end of its log, fix the cause, then {resume}; live stages are kept")
+    return lines
 
 
 def died(newest: dict[str, JobRecord], states: dict[tuple[str, int], JobState]) -> list[JobRecord]:

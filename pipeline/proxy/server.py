@@ -24,6 +24,7 @@ from fastapi import Depends, FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 
 from pipeline.engine.client import EngineClient
+from pipeline.engine.net import PeerLog, public_host
 from pipeline.proxy import anthropic_messages, openai_chat, openai_responses, rl
 from pipeline.proxy.auth import ROUTE_KEYS, KeyCheck, caller_of, check_routes
 from pipeline.proxy.control import RUN_STATUS_HEADER
@@ -108,7 +109,8 @@ class ProxyServer:
                 raise TimeoutError(f"proxy did not start listening on {self.config.host}:{self.config.port} in 30 s")
             await asyncio.sleep(0.01)
         port = server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://{self.config.host}:{port}"
+        # The URL other processes and nodes dial: with `host: 0.0.0.0`, this node's name, never "0.0.0.0".
+        self.url = f"http://{public_host(self.config.host)}:{port}"
         self._sweep_task = asyncio.create_task(self._sweep_loop(), name="proxy-session-sweep")
         log.info("proxy serving %s on %s", self.model.served_name, self.url)
         return self.url
@@ -173,6 +175,7 @@ def build_app(proxy: ProxyServer) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=proxy.config.max_request_bytes)
     # Added last, so it runs first: a request without a valid key learns nothing about bodies or limits.
     app.add_middleware(KeyCheck, store=proxy.store, routes=proxy.route_keys)
+    app.add_middleware(PeerLog, logger=log, what="proxy")  # where agents really call from (docs/operations.md)
     served = proxy.model.served_name
 
     @app.get("/health")

@@ -75,6 +75,8 @@ class PublishOptions:
     """`interrupt`: pause the requests in flight (`pause_mode`), they continue under the new version;
     `wait`: let them finish under the old one first (new requests wait)."""
     pause_mode: str = "retract"
+    interface: str | None = None
+    """`cluster.network_interface`: the broadcast group's address is this interface's (None: the route's)."""
     on_bucket: Callable[[int, int], None] | None = None
     """Test seam: called with (version, bucket index) before each broadcast bucket (fault injection)."""
     tamper: Tamper | None = None
@@ -87,7 +89,8 @@ class PublishOptions:
                    verify_model=Path(config.model.path) if trainer.verify else None,
                    logprob_atol=trainer.verify_tolerance,
                    min_servers=config.inference.min_servers, update_mode=config.inference.update_mode,
-                   pause_mode=config.inference.pause_mode)  # fmt: skip
+                   pause_mode=config.inference.pause_mode,
+                   interface=config.cluster.network_interface)  # fmt: skip
 
     @property
     def pause(self) -> str:
@@ -149,7 +152,8 @@ class Publisher:
         self.calls = ServerCalls(timeout_s)
         self.transport: DiskTransport | BroadcastTransport = (
             DiskTransport(self.calls) if kind == "disk"
-            else BroadcastTransport(self.calls, paths, self.options.broadcast_timeout_s, self.options.on_bucket)
+            else BroadcastTransport(self.calls, paths, self.options.broadcast_timeout_s, self.options.on_bucket,
+                                    interface=self.options.interface)
         )  # fmt: skip
         model = self.options.verify_model
         self.verifier = (

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import socket
 import threading
 import time
 import uuid
@@ -27,11 +26,12 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlparse
 
 import torch
 
 from pipeline.engine.client import EngineClient, EngineError
-from pipeline.engine.net import free_port
+from pipeline.engine.net import free_port, interface_address, route_source
 from pipeline.engine.weight_group import broadcast_from_trainer, destroy_weight_group, dtype_name, init_weight_group
 from pipeline.errors import ArlError
 from pipeline.handoff import read_json, write_json_atomic
@@ -173,8 +173,11 @@ class BroadcastTransport:
     """Bucketed broadcast over a group shared with the servers (gloo on CPU, nccl on GPU)."""
 
     def __init__(self, calls: ServerCalls, paths: RunPaths, broadcast_timeout_s: float,
-                 on_bucket: Callable[[int, int], None] | None = None) -> None:  # fmt: skip
+                 on_bucket: Callable[[int, int], None] | None = None, *,
+                 interface: str | None = None) -> None:  # fmt: skip
         self.calls = calls
+        self.interface = interface
+        """`cluster.network_interface`; None: the group's address is the one on the route to the servers."""
         self.paths = paths
         self.broadcast_timeout_s = broadcast_timeout_s
         self.on_bucket = on_bucket
@@ -239,7 +242,7 @@ class BroadcastTransport:
             return blamed
         sizes = {u: int(r.get("tp_size", 1) or 1) for u, r in info.items() if isinstance(r, dict)}
         world = 1 + sum(sizes.values())
-        address = "127.0.0.1" if all(_is_loopback(u) for u in urls) else socket.gethostbyname(socket.getfqdn())
+        address = group_address(urls, self.interface)
         port = free_port("0.0.0.0")  # the store listens on every interface: the port must be free on all
         name = f"{GROUP_NAME}-{uuid.uuid4().hex[:8]}"
         write_json_atomic(self.paths.weight_sync, {"master_address": address, "master_port": port, "group_name": name,
@@ -324,7 +327,17 @@ def _previous_group(paths: RunPaths) -> str | None:
     return str(record.get("group_name") or "") or None
 
 
-def _is_loopback(url: str) -> bool:
-    from urllib.parse import urlparse
+def group_address(urls: list[str], interface: str | None) -> str:
+    """The address the servers dial to join the trainer's group (rank 0 hosts its store).
 
-    return (urlparse(url).hostname or "") in ("127.0.0.1", "localhost", "::1")
+    The configured interface's address; else loopback when every server is local; else our address on
+    the route to the first remote server. Not the address our host name resolves to: on many machines
+    that is a loopback alias (Debian's `127.0.1.1`), which a server on another node cannot reach.
+    """
+    if interface:
+        return interface_address(interface)
+    remote = [host for host in (urlparse(u).hostname or "" for u in urls) if host not in _LOOPBACK]
+    return route_source(remote[0]) if remote else "127.0.0.1"
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")

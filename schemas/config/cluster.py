@@ -26,6 +26,10 @@ class StageResources(Block):
     """Memory per node in GB (`--mem`); `None` = the partition default."""
     constraint: str | None = None
     """Node feature constraint (`--constraint`)."""
+    nodelist: str | None = None
+    """Run on exactly these nodes (`--nodelist`, e.g. `gpu[01-04]`): pins a stage to chosen nodes."""
+    exclude: str | None = None
+    """Never run on these nodes (`--exclude`), e.g. a node that failed; safe to change on `--resume`."""
     exclusive: bool = False
     """Whole nodes (`--exclusive`)."""
     extra_sbatch: list[str] = Field(default_factory=list)
@@ -45,3 +49,7 @@ class ClusterConfig(Block):
     """Resources of the trainer job."""
     setup: list[str] = Field(default_factory=list)
     """Shell lines run before every stage (before the stage's own `setup`)."""
+    network_interface: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:@-]+$")
+    """Network interface between nodes (e.g. `ib0`, `eth0`) for the trainer's collectives and the weight
+    broadcast: exported to every stage as `GLOO_SOCKET_IFNAME` and `NCCL_SOCKET_IFNAME`, and the trainer
+    announces this interface's address to the servers. `None` = the interface that routes to the servers."""

@@ -155,7 +155,7 @@ def test_a_failing_stage_stops_the_run_and_is_named_with_its_log(workdir: Path) 
     assert {"train.1.sigterm", "inference.1.sigterm"} <= markers(workdir)
     status = arl(workdir, "status", str(run_dir(workdir)))
     assert status.returncode == 1
-    assert "stage rollout died (EXITED, exit 3); see its log:" in " ".join(status.stdout.split())
+    assert "ended EXITED; exit 3; its log:" in " ".join(status.stdout.split())
 
 
 def test_ctrl_c_stops_every_stage(workdir: Path) -> None:
@@ -281,7 +281,8 @@ def test_a_failed_slurm_stage_is_reported_with_its_log(workdir: Path) -> None:
     status = arl(workdir, "status", str(run_dir(workdir)))
     assert status.returncode == 1
     flat = " ".join(status.stdout.split())
-    assert "stage train died (FAILED" in flat and "logs/train/attempt_1.log" in flat
+    assert "stage train died: job" in flat and "ended FAILED on localhost" in flat
+    assert "logs/train/attempt_1.log" in flat
     log = (run_dir(workdir) / "logs" / "train" / "attempt_1.log").read_text()
     assert "failing on purpose" in log and "exited with code 3" in log
     assert arl(workdir, "stop", str(run_dir(workdir))).returncode == 0

@@ -130,3 +130,37 @@ def test_rendered_scripts_are_valid_bash(tmp_path: Path) -> None:
 
 def test_dry_run_script_location(tmp_path: Path) -> None:
     assert sbatch_script_path(RunPaths(tmp_path), "train") == tmp_path / "sbatch" / "train.sbatch"
+
+
+def test_stages_are_pinned_to_or_kept_off_nodes(tmp_path: Path) -> None:
+    overrides = ["cluster.inference.nodelist=gpu[01-04]", "cluster.train.exclude=node7,node9"]
+    assert "--nodelist='gpu[01-04]'" in _sbatch_lines(_script(tmp_path, overrides, "inference"))
+    lines = _sbatch_lines(_script(tmp_path, overrides, "train"))
+    assert "--exclude=node7,node9" in lines and not any(line.startswith("--nodelist") for line in lines)
+
+
+@pytest.mark.parametrize("stage", ["inference", "rollout", "train"])
+def test_network_interface_reaches_every_stage_as_gloo_and_nccl_variables(tmp_path: Path, stage: str) -> None:
+    script = _script(tmp_path, ["cluster.network_interface=ib0", "cluster.train.nodes=2"], stage)
+    exports = "\n".join(line for line in script.splitlines() if line.startswith("export "))
+    shown = subprocess.run(["bash", "-c", exports.replace("$(scontrol", "$(echo") + "\nenv"], capture_output=True,
+                           text=True, check=True, env={"SLURM_JOB_ID": "5"}).stdout.splitlines()  # fmt: skip
+    assert "GLOO_SOCKET_IFNAME=ib0" in shown and "NCCL_SOCKET_IFNAME=ib0" in shown
+    assert plan_stage(load_config(None, ["cluster.network_interface=ib0"]), stage, tmp_path).env == {
+        "GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"}  # fmt: skip
+    assert "IFNAME" not in _script(tmp_path, [], stage)
+
+
+def test_network_interface_must_be_an_interface_name() -> None:
+    with pytest.raises(ConfigError, match="network_interface"):
+        load_config(None, ["cluster.network_interface=eth0; rm -rf /"])
+
+
+@pytest.mark.parametrize("job_id", [1, 12767, 12768, 31999, 4_000_000_123])
+def test_rendezvous_port_stays_below_the_ephemeral_range(tmp_path: Path, job_id: int) -> None:
+    """Other stages on the trainer's first node listen on ports the kernel picks (32768 and up): no clash."""
+    script = _script(tmp_path, ["cluster.train.nodes=2"], "train")
+    line = next(line for line in script.splitlines() if line.startswith("export MASTER_ADDR"))
+    port = subprocess.run(["bash", "-c", f"{line}; echo $MASTER_PORT"], capture_output=True, text=True, check=True,
+                          env={"SLURM_JOB_ID": str(job_id)}).stdout.strip()  # fmt: skip
+    assert 20000 <= int(port) < 32768

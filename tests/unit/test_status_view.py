@@ -51,7 +51,10 @@ def test_status_names_a_dead_stage_and_its_log_and_stop_skips_it(tmp_path: Path)
                                 host=socket.gethostname(), command="c", pid=1, exit_code=7))  # fmt: skip
     console = Console(record=True, width=200)
     assert show_status(paths.root, console=console) == 1
-    assert f"stage rollout died (EXITED, exit 7); see its log: {log}" in console.export_text()
+    text = console.export_text()
+    host = socket.gethostname()
+    assert f"stage rollout died: pid 1 on {host} (attempt 2) ended EXITED; exit 7; its log: {log}" in text
+    assert "what to do: read the end of its log, fix the cause, then `arl launch CONFIG --resume`" in text
     console = Console(record=True, width=200)
     assert stop_run(paths.root, console=console) == 0
     assert "nothing to stop" in console.export_text()

@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from pipeline.engine.net import PeerLog
 from pipeline.engine.server.backend import EngineBackend, Progress
 from pipeline.engine.server.requests import (
     PromptLogprobs,
@@ -63,6 +64,7 @@ _GENERATE = "/generate"  # the one route with OpenAI-style error bodies; every o
 def build_app(backend: EngineBackend, *, title: str) -> FastAPI:
     """The FastAPI app serving SGLang's protocol for `backend`."""
     app = FastAPI(title=title)
+    app.add_middleware(PeerLog, logger=log, what=title)  # which hosts (proxies, trainers) use this server
     _error_handlers(app, backend)
     _generation_routes(app, backend)
     _info_routes(app, backend)
