@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# A real single-node Slurm cluster (with accounting) on this machine, for tests and CI.
+# Real Slurm 22.05 clusters (with accounting) on this one machine, for tests and CI.
 #
 #   scripts/local_slurm.sh up       install if needed, start munge, mariadb, slurmdbd, slurmctld, slurmd (idempotent)
 #   scripts/local_slurm.sh down     cancel every job, then stop the daemons by their pid files
 #   scripts/local_slurm.sh status   which daemons run, and `sinfo`
+#   scripts/local_slurm.sh up|down|status --nodes 2     the 2-node cluster "arl-two" (network namespaces)
+#   scripts/local_slurm.sh stop-node|start-node NAME    lose / bring back node1 or node2 of the 2-node cluster
+#
+# `--nodes 1` (the default) is the single-node cluster described here; `--nodes 2` and the node commands are
+# documented at the top of scripts/local_slurm_nodes.sh. Both clusters can run at the same time: they share
+# munged, mariadb and slurmdbd, and whichever cluster goes down last stops those.
 #
 # Why each setting (docs/operations.md, "A Slurm cluster on one machine"): no systemd, Slurm state under $ARL_SLURM_DIR
 # (default /tmp/arl-slurm), accounting so that sacct/submitit see cancels, `config_overrides` so the
 # node may announce more CPUs than the machine has (several stage jobs at once on 2 cores).
 # Daemons are stopped by pid file only, never by name. Needs root (it writes /etc/slurm).
 set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 STATE="${ARL_SLURM_DIR:-/tmp/arl-slurm}"
 CPUS="${ARL_SLURM_CPUS:-16}"
@@ -44,10 +51,17 @@ install_packages() {
         munge slurmctld slurmd slurm-client slurmdbd mariadb-server >/dev/null
 }
 
+mem_mb() { awk '/MemTotal/ {printf "%d", $2 / 1024 * 0.8}' /proc/meminfo; }
+
 write_configs() {
+    write_slurm_conf
+    write_slurmdbd_conf
+}
+
+write_slurm_conf() {
     mkdir -p "$STATE"/{log,run,spool/ctld,spool/d} "$CONF_DIR"
     local mem_mb
-    mem_mb=$(awk '/MemTotal/ {printf "%d", $2 / 1024 * 0.8}' /proc/meminfo)
+    mem_mb=$(mem_mb)
     cat >"$CONF_DIR/slurm.conf" <<EOF
 # Written by scripts/local_slurm.sh: a single-node test cluster. Do not use in production.
 ClusterName=$CLUSTER
@@ -76,6 +90,11 @@ JobAcctGatherType=jobacct_gather/none
 NodeName=localhost NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$mem_mb State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 EOF
+}
+
+# The accounting daemon's config, shared by both clusters (each cluster's slurm.conf points at this slurmdbd).
+write_slurmdbd_conf() {
+    mkdir -p "$STATE"/{log,run} "$CONF_DIR"
     # slurmdbd refuses a config readable by others (it holds the DB password).
     umask 077
     cat >"$CONF_DIR/slurmdbd.conf" <<EOF
@@ -114,11 +133,15 @@ start_mariadb() {
                 GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost'; FLUSH PRIVILEGES;"
 }
 
+start_slurmdbd() {
+    pid_alive "$STATE/run/slurmdbd.pid" && return
+    # slurmdbd looks for slurmdbd.conf next to $SLURM_CONF: pin it to this one's.
+    SLURM_CONF="$CONF_DIR/slurm.conf" /usr/sbin/slurmdbd
+    wait_until 30 "slurmdbd" sacctmgr -n list cluster
+}
+
 start_slurm_daemons() {
-    if ! pid_alive "$STATE/run/slurmdbd.pid"; then
-        /usr/sbin/slurmdbd
-        wait_until 30 "slurmdbd" sacctmgr -n list cluster
-    fi
+    start_slurmdbd
     # The cluster must exist in the database before slurmctld registers with it.
     if ! sacctmgr -n -P list cluster format=cluster | grep -qx "$CLUSTER"; then
         sacctmgr -i add cluster "$CLUSTER" >/dev/null
@@ -176,11 +199,31 @@ cmd_down() {
     fi
     stop_pidfile slurmd "$STATE/run/slurmd.pid"
     stop_pidfile slurmctld "$STATE/run/slurmctld.pid"
-    stop_pidfile slurmdbd "$STATE/run/slurmdbd.pid"
-    stop_pidfile mariadb /run/mysqld/mariadb.pid
-    stop_pidfile munged /run/munge/munged.pid
+    if n2_running; then
+        # The 2-node cluster still needs accounting and munge: hand them over, its `down` stops them.
+        log "leaving munged, mariadb and slurmdbd running for the 2-node cluster ($N2_STATE); its down stops them"
+        n2_mark_shared_ours munged mariadb slurmdbd
+    else
+        stop_shared_daemons slurmdbd mariadb munged
+    fi
     log "down"
 }
+
+shared_pidfile() {  # shared_pidfile munged|mariadb|slurmdbd -> its pid file
+    case $1 in
+        munged) echo /run/munge/munged.pid ;;
+        mariadb) echo /run/mysqld/mariadb.pid ;;
+        slurmdbd) echo "$STATE/run/slurmdbd.pid" ;;
+        *) die "unknown shared daemon $1" ;;
+    esac
+}
+
+stop_shared_daemons() {  # stop_shared_daemons NAME... (stopped in this order)
+    local name
+    for name in "$@"; do stop_pidfile "$name" "$(shared_pidfile "$name")"; done
+}
+
+cluster1_running() { pid_alive "$STATE/run/slurmctld.pid"; }
 
 cmd_status() {
     local rc=0 name pidfile
@@ -196,9 +239,50 @@ cmd_status() {
     return $rc
 }
 
-case "${1:-}" in
-    up) cmd_up ;;
-    down) cmd_down ;;
-    status) cmd_status ;;
-    *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
-esac
+# The 2-node cluster: settings and functions only, nothing runs when it is sourced.
+# shellcheck source=scripts/local_slurm_nodes.sh
+source "$HERE/local_slurm_nodes.sh"
+
+usage() {
+    echo "usage: $0 up|down|status [--nodes 1|2] | stop-node|start-node node1|node2" >&2
+    exit 2
+}
+
+main() {
+    local cmd=${1:-} nodes=1
+    [[ $# -gt 0 ]] && shift
+    case $cmd in
+        up | down | status)
+            while [[ $# -gt 0 ]]; do
+                case $1 in
+                    --nodes) [[ $# -ge 2 ]] || usage; nodes=$2; shift 2 ;;
+                    --nodes=*) nodes=${1#--nodes=}; shift ;;
+                    *) usage ;;
+                esac
+            done
+            [[ $nodes == 1 || $nodes == 2 ]] || usage
+            ;;
+        stop-node | start-node)
+            if [[ $# -ne 1 ]] || ! n2_is_node "$1"; then usage; fi
+            ;;
+        *) usage ;;
+    esac
+    if [[ $cmd == *-node || $nodes == 2 ]]; then
+        export SLURM_CONF="$N2_CONF"
+    else
+        # The default config even when the caller's shell points SLURM_CONF at the 2-node cluster.
+        export SLURM_CONF="$CONF_DIR/slurm.conf"
+    fi
+    case $cmd/$nodes in
+        up/1) cmd_up ;;
+        down/1) cmd_down ;;
+        status/1) cmd_status ;;
+        up/2) n2_up ;;
+        down/2) n2_down ;;
+        status/2) n2_status ;;
+        stop-node/*) n2_stop_node "$1" ;;
+        start-node/*) n2_start_node "$1" ;;
+    esac
+}
+
+main "$@"
