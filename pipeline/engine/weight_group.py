@@ -44,10 +44,12 @@ def init_weight_group(
 def _join(master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str,
           timeout: timedelta) -> Any:  # fmt: skip
     import torch.distributed.distributed_c10d as c10d
+    from torch.distributed import TCPStore
 
-    store, rank, world_size = next(
-        c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
-    )
+    # The store directly, not `c10d.rendezvous("tcp://...")`: under torchrun (a multi-GPU or multi-node
+    # trainer) rendezvous sees TORCHELASTIC_USE_AGENT_STORE and makes rank 0 a mere client of a store it
+    # assumes torchrun's agent hosts on that port, so nobody hosts it and every rank waits out the deadline.
+    store: Any = TCPStore(master_address, master_port, world_size, rank == 0, timeout=timeout, multi_tenant=True)
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
     # The options keyword was renamed across torch versions (pg_options -> backend_options).
