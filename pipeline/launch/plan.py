@@ -2,9 +2,10 @@
 
 A stage job is `arl stage <name> --run-dir D` (docs/cli.md), nothing more: the stages coordinate only
 through the run dir, so the launcher never passes them anything else and the order of
-submission never matters. The trainer is the one stage that may span several processes: with
-more than one GPU or node it runs under torchrun, one torchrun per node (started by `srun`),
-meeting at a c10d rendezvous on the job's first node.
+submission never matters. Two stages may span nodes: the trainer (with more than one GPU or node it
+runs under torchrun, one torchrun per node started by `srun`, meeting at a c10d rendezvous on the
+job's first node) and the inference servers (`srun` runs the stage once per node, each copy starting
+its node's servers: `pipeline.engine.server.placement`).
 """
 
 from __future__ import annotations
@@ -91,10 +92,10 @@ def plan_stage(config: ArlConfig, stage: str, run_dir: Path, *, python: str | No
     if uses_torchrun(stage, resources):
         argv = ["bash", "-c", torchrun_command(resources, run_dir, python=python)]
         return StagePlan(stage, argv, resources, setup, torchrun=True, env=env)
-    if resources.nodes > 1:
+    if resources.nodes > 1 and stage != "inference":
         raise ConfigError(
-            f"cluster.{stage}.nodes={resources.nodes}: only the trainer spans several nodes; "
-            f"set cluster.{stage}.nodes=1 (run more servers with inference.num_servers)"
+            f"cluster.{stage}.nodes={resources.nodes}: only the trainer and the inference servers span several "
+            f"nodes; set cluster.{stage}.nodes=1"
         )
     return StagePlan(stage, stage_argv(stage, run_dir, python=python), resources, setup, env=env)
 

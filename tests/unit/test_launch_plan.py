@@ -94,10 +94,13 @@ def test_torchrun_only_when_the_trainer_spans_processes(tmp_path: Path, nodes: i
         assert plan.argv == [sys.executable, "-m", "pipeline.cli", "stage", "train", "--run-dir", str(tmp_path)]
 
 
-def test_only_the_trainer_may_span_nodes(tmp_path: Path) -> None:
-    config = load_config(None, ["cluster.inference.nodes=2"])
-    with pytest.raises(ConfigError, match=r"cluster.inference.nodes=2.*inference.num_servers"):
-        plan_stage(config, "inference", tmp_path)
+def test_only_the_trainer_and_the_inference_servers_span_nodes(tmp_path: Path) -> None:
+    config = load_config(None, ["cluster.rollout.nodes=2", "cluster.inference.nodes=3"])
+    with pytest.raises(ConfigError, match=r"cluster.rollout.nodes=2: only the trainer and the inference servers"):
+        plan_stage(config, "rollout", tmp_path)
+    plan = plan_stage(config, "inference", tmp_path)  # srun runs the stage once on each node
+    assert not plan.torchrun and plan.argv[-4:] == ["stage", "inference", "--run-dir", str(tmp_path)]
+    assert "--nodes=3" in sbatch_directives(plan.resources)
 
 
 def test_external_agents_run_the_standalone_proxy_instead_of_rollout(tmp_path: Path) -> None:

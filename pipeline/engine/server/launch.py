@@ -20,6 +20,7 @@ Life of the stage:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -33,6 +34,7 @@ from typing import IO, Any
 import httpx
 
 from pipeline.engine.net import free_port, port_is_free, public_host
+from pipeline.engine.server.placement import gpu_env, server_indices
 from pipeline.engine.server.procs import ProcSpec, server_procs
 from pipeline.engine.server.supervise import RunningServer, Supervisor, deregister, healthy, register, tail, terminate
 from pipeline.errors import ArlError, WaitTimeout
@@ -73,7 +75,7 @@ def run_inference(ctx: StageContext, *, stop: threading.Event | None = None) -> 
     servers: list[RunningServer] = []
     restore = _install_signal_handlers(stop)
     try:
-        for index, port in enumerate(_ports(config)):
+        for index, port in zip(server_indices(config), _ports(config), strict=True):
             servers.append(_start(paths, config, index, port, model_path, version, attempt))
         _wait_healthy(servers, config.inference.startup_timeout_s, stop)
         for server in servers:
@@ -130,7 +132,7 @@ def _start(
         )
         handle = open(path, "ab")  # noqa: SIM115 - the child keeps writing to it; closed in _terminate
         handles.append(handle)
-        procs.append(_spawn(spec, handle))
+        procs.append(_spawn(dataclasses.replace(spec, env={**spec.env, **gpu_env(config, index)}), handle))
     entry = InferenceEntry(
         url=url,
         backend=inf.backend,
