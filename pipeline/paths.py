@@ -133,6 +133,15 @@ class RunPaths:
         return self.quarantine / f"{server}.json"
 
     @property
+    def retired(self) -> Path:
+        """`<server>.json` notes: that server's inference stage is gone (replaced by a newer attempt), so it will
+        never come back; the trainer stops waiting for it."""
+        return self.state / "retired"
+
+    def retired_entry(self, server: str) -> Path:
+        return self.retired / f"{server}.json"
+
+    @property
     def weight_version(self) -> Path:
         """The newest version every inference server has confirmed (written by the trainer)."""
         return self.state / "weight_version.json"

@@ -261,7 +261,7 @@ class InferenceEntry(BaseModel):
     """`registry/inference/<server>.json`: one running inference server (written by `stages.inference`).
 
     Example: {"url": "http://10.0.0.5:30001", "backend": "hf", "model_path": "/runs/x/checkpoints/step_000003",
-    "weight_version": 3, "host": "node17", "pid": 4242, "started_at": 1795000000.0, "tp_size": 1}
+    "weight_version": 3, "host": "node17", "pid": 4242, "started_at": 1795000000.0, "tp_size": 1, "attempt": 2}
     """
 
     model_config = ConfigDict(extra="ignore")  # newer writers may add fields; readers keep working
@@ -276,6 +276,9 @@ class InferenceEntry(BaseModel):
     started_at: float
     """Epoch seconds."""
     tp_size: int = Field(default=1, ge=1)
+    attempt: int | None = Field(default=None, ge=1)
+    """The inference stage attempt that started the server (None: written before arl recorded it). A newer
+    attempt retires the entries of older ones at its start: their stage ended, so nothing supervises them."""
     routable: bool = True
     """False while a restarted server holds an older version than the announced one: the trainer's next
     publication brings it up to date (it takes part in weight swaps) but no request is routed to it; the

@@ -54,6 +54,31 @@ def read_entries(paths: RunPaths) -> dict[str, InferenceEntry]:
     return entries
 
 
+def retire_entry(paths: RunPaths, name: str, entry: InferenceEntry, why: str) -> None:
+    """Remove the entry of a server nothing supervises any more, leaving a note in `state/retired/`.
+
+    The note tells a trainer waiting for that server to come back after a failed swap that it never will
+    (`retired_since`). Used by a relaunched inference stage for the servers of an attempt that ended.
+    """
+    write_json_atomic(paths.retired_entry(name), {"server": name, "url": entry.url, "started_at": entry.started_at,
+                                                  "attempt": entry.attempt, "why": why})  # fmt: skip
+    remove_entry(paths, name)
+    log.warning("retired registry entry %s (%s): %s", name, entry.url, why)
+
+
+def retired_since(paths: RunPaths, started_at: dict[str, float]) -> set[str]:
+    """Of the servers `started_at` names (name -> start time), those retired in that life (`retire_older_attempts`)."""
+    out = set()
+    for name, started in started_at.items():
+        try:
+            note = json.loads(paths.retired_entry(name).read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            continue
+        if note.get("started_at") == started:
+            out.add(name)
+    return out
+
+
 def urls_from_registry(paths: RunPaths, *, routable_only: bool = True) -> Callable[[], list[str]]:
     """A callable for `EngineClient(urls=...)`: the URLs registered right now (re-read on each call).
 

@@ -20,7 +20,9 @@ One publication (`Publisher.publish`), with every server registered (routable or
 5. once `inference.min_servers` (default: every server that took part) verified the version,
    generation resumes on all of them together; the trainer then announces it
    (`state/weight_version.json`). Fewer: the publication waits (deadline `trainer.publish_timeout_s`)
-   for servers taken out to come back, and sends them the version too.
+   for servers taken out to come back, and sends them the version too. A server whose inference stage
+   ended (it died with its node) never comes back: once the relaunched stage retires it
+   (`state/retired/`), it no longer counts among those awaited.
 
 When every server fails verification the same way the fault is what the trainer sent (a tensor
 under a wrong name, in a wrong dtype): nothing is announced, the servers stay paused, and the error
@@ -41,7 +43,7 @@ from typing import Any
 
 import torch
 
-from pipeline.engine.registry import read_entries
+from pipeline.engine.registry import read_entries, retired_since
 from pipeline.engine.server.weights import read_checkpoint
 from pipeline.errors import ArlError
 from pipeline.handoff import write_json_atomic
@@ -183,6 +185,8 @@ class Publisher:
             if pending:
                 seen.update(m.key for m in pending)
                 self._round(version, pending, checkpoint, sent, expected, verified, report)
+            if self.options.min_servers is None:  # every server that took part, less those that can never return
+                required = max(1, len(members) - len(self._retired(members, verified)))
             if len(verified) >= required:
                 break
             if time.monotonic() > deadline:
@@ -254,6 +258,10 @@ class Publisher:
                      v.url, "verified" if v.ok else f"FAILED: {v.problem}", v.probe_max_diff, v.weights_checked,
                      v.seconds)  # fmt: skip
         return verdicts
+
+    def _retired(self, members: list[_Member], verified: dict[str, _Member]) -> set[str]:
+        """Members not verified whose inference stage has ended (retired by its successor: `retire_entry`)."""
+        return retired_since(self.paths, {m.name: m.started_at for m in members if m.key not in verified})
 
     def _take_out(self, member: _Member, version: int, reason: str) -> None:
         """Ask the inference stage to deregister and recover `member` (it stays paused meanwhile)."""

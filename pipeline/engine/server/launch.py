@@ -34,6 +34,7 @@ from typing import IO, Any
 import httpx
 
 from pipeline.engine.net import free_port, port_is_free, public_host
+from pipeline.engine.server.orphans import retire_orphans
 from pipeline.engine.server.placement import gpu_env, server_indices
 from pipeline.engine.server.procs import ProcSpec, server_procs
 from pipeline.engine.server.supervise import RunningServer, Supervisor, deregister, healthy, register, tail, terminate
@@ -74,6 +75,7 @@ def run_inference(ctx: StageContext, *, stop: threading.Event | None = None) -> 
     )
     servers: list[RunningServer] = []
     restore = _install_signal_handlers(stop)
+    retire_orphans(paths, attempt)
     try:
         for index, port in zip(server_indices(config), _ports(config), strict=True):
             servers.append(_start(paths, config, index, port, model_path, version, attempt))
@@ -142,6 +144,7 @@ def _start(
         pid=procs[-1].pid,
         started_at=time.time(),
         tp_size=1 if inf.backend == "hf" else inf.tp_size,  # the hf engine has no tensor parallelism
+        attempt=attempt,
     )
     log.info(
         "started %s server %d on port %d (pids %s, log %s)", inf.backend, index, port, [p.pid for p in procs], log_path
