@@ -92,11 +92,6 @@ def plan_stage(config: ArlConfig, stage: str, run_dir: Path, *, python: str | No
     if uses_torchrun(stage, resources):
         argv = ["bash", "-c", torchrun_command(resources, run_dir, python=python)]
         return StagePlan(stage, argv, resources, setup, torchrun=True, env=env)
-    if resources.nodes > 1 and stage != "inference":
-        raise ConfigError(
-            f"cluster.{stage}.nodes={resources.nodes}: only the trainer and the inference servers span several "
-            f"nodes; set cluster.{stage}.nodes=1"
-        )
     return StagePlan(stage, stage_argv(stage, run_dir, python=python), resources, setup, env=env)
 
 

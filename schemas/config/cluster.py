@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
 
-from schemas.config.base import Block
+from schemas.config.base import UNSUPPORTED, Block
 
 
 class StageResources(Block):
@@ -53,3 +54,18 @@ class ClusterConfig(Block):
     """Network interface between nodes (e.g. `ib0`, `eth0`) for the trainer's collectives and the weight
     broadcast: exported to every stage as `GLOO_SOCKET_IFNAME` and `NCCL_SOCKET_IFNAME`, and the trainer
     announces this interface's address to the servers. `None` = the interface that routes to the servers."""
+
+    @model_validator(mode="after")
+    def _one_node_unless_spanning(self) -> ClusterConfig:
+        """srun starts a stage once per node: the trainer (torchrun) and the inference stage (each copy serves its
+        node) are made for that; a second rollout or proxy would be a second, independent producer of steps."""
+        for stage in ("rollout", "proxy"):
+            nodes = getattr(self, stage).nodes
+            if nodes > 1:
+                raise PydanticCustomError(
+                    UNSUPPORTED,
+                    "cluster.{stage}.nodes={nodes}: only the trainer and the inference servers span several nodes; "
+                    "set cluster.{stage}.nodes=1",
+                    {"stage": stage, "nodes": nodes},
+                )
+        return self

@@ -95,9 +95,10 @@ def test_torchrun_only_when_the_trainer_spans_processes(tmp_path: Path, nodes: i
 
 
 def test_only_the_trainer_and_the_inference_servers_span_nodes(tmp_path: Path) -> None:
-    config = load_config(None, ["cluster.rollout.nodes=2", "cluster.inference.nodes=3"])
-    with pytest.raises(ConfigError, match=r"cluster.rollout.nodes=2: only the trainer and the inference servers"):
-        plan_stage(config, "rollout", tmp_path)
+    for stage in ("rollout", "proxy"):  # refused with the config, before any run dir exists
+        with pytest.raises(ConfigError, match=rf"cluster.{stage}.nodes=2: only the trainer and the inference"):
+            load_config(None, [f"cluster.{stage}.nodes=2"])
+    config = load_config(None, ["cluster.inference.nodes=3"])
     plan = plan_stage(config, "inference", tmp_path)  # srun runs the stage once on each node
     assert not plan.torchrun and plan.argv[-4:] == ["stage", "inference", "--run-dir", str(tmp_path)]
     assert "--nodes=3" in sbatch_directives(plan.resources)

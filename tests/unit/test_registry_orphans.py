@@ -26,8 +26,9 @@ def _entry(attempt: int | None, *, host: str = "node9", pid: int = 4242, started
 
 def _record(paths: RunPaths, attempt: int, *, pid: int, exit_code: int | None) -> None:
     started = psutil.Process(pid).create_time() if exit_code is None else None
-    add_record(paths, JobRecord(stage="inference", attempt=attempt, executor="local", log="l", host=socket.gethostname(),
-                                command="c", pid=pid, started_at=started, exit_code=exit_code))  # fmt: skip
+    add_record(paths, JobRecord(stage="inference", attempt=attempt, executor="local", log="l",
+                                host=socket.gethostname(), command="c", pid=pid, started_at=started,
+                                exit_code=exit_code))  # fmt: skip
 
 
 def test_entries_of_ended_attempts_are_retired_and_live_ones_kept(tmp_path: Path) -> None:
