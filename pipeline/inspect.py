@@ -255,12 +255,13 @@ def _sample_cells(sample: dict[str, Any]) -> list[str]:
 
 
 def render_rich(views: list[StepView], samples: list[dict[str, Any]], notes: list[str], *, decode: bool) -> None:
-    from rich.console import Console
     from rich.panel import Panel
     from rich.table import Table
     from rich.text import Text
 
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    from pipeline.console import people_console
+
+    console = people_console(pipe_width=160)
     summary = Table(title="per-step summary", title_justify="left")
     for title, _ in SUMMARY_COLUMNS:
         summary.add_column(title, justify="right")

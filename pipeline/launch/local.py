@@ -1,5 +1,8 @@
 """`--executor local`: the same stage commands as local processes, supervised until the trainer ends.
 
+While it waits it prints one line per trained step (`pipeline.run_progress.step_line`), on a
+terminal or not, so a piped or logged `arl launch --executor local` shows the run's progress.
+
 Each stage runs in its own session (process group), so the terminal's Ctrl-C reaches only the
 launcher, which then stops every stage the same way `arl stop` does: SIGTERM to the group, SIGKILL
 after a grace period. The run ends when the trainer exits 0 (its `num_steps` are done: the other
@@ -23,9 +26,11 @@ from typing import IO, Any
 
 from rich.console import Console
 
+from pipeline.console import people_console
 from pipeline.launch.jobs import JobRecord, add_record, read_jobs, update_record
 from pipeline.launch.plan import StagePlan
 from pipeline.paths import RunPaths
+from pipeline.run_progress import StepFeed, step_line
 
 GRACE_S = 10.0
 """Seconds a stage gets to exit after SIGTERM before SIGKILL."""
@@ -46,14 +51,14 @@ class Running:
 def run_local(plans: list[StagePlan], paths: RunPaths, attempts: dict[str, int], *, workdir: Path,
               grace_s: float = GRACE_S, console: Console | None = None) -> int:  # fmt: skip
     """Start every stage, supervise them, stop them all on the way out; the run's exit status."""
-    console = console or Console()
+    console = console or people_console()
     running: list[Running] = []
     with _sigterm_raises():
         try:
             for plan in plans:
                 running.append(start_stage(plan, paths, attempts[plan.stage], workdir=workdir))
             for r in running:
-                console.print(f"  {r.plan.stage:<9} pid {r.proc.pid:<8} tail -F {r.record.log}")
+                console.print(f"  {r.plan.stage:<9} pid {r.proc.pid:<8} tail -F {r.record.log}", soft_wrap=True)
             return supervise(running, paths, console)
         except (KeyboardInterrupt, StopRequested):
             console.print("[yellow]interrupted: stopping every stage[/yellow]")
@@ -80,8 +85,10 @@ def start_stage(plan: StagePlan, paths: RunPaths, attempt: int, *, workdir: Path
 
 
 def supervise(running: list[Running], paths: RunPaths, console: Console, *, poll_s: float = 0.5) -> int:
-    """Wait until the trainer finishes (0) or any stage fails (1)."""
+    """Wait until the trainer finishes (0) or any stage fails (1), printing each step as it is trained."""
+    feed = StepFeed(paths, from_now=True)  # a resumed run's earlier steps were shown by its first launch
     while True:
+        _print_steps(feed, console)
         for r in running:
             code = r.proc.poll()
             if code is None or r.record.exit_code is not None:
@@ -90,9 +97,10 @@ def supervise(running: list[Running], paths: RunPaths, console: Console, *, poll
             if r.record.stopped:
                 console.print(f"stage {r.plan.stage} was stopped (`arl stop`): stopping the other stages")
                 return 130
+            _print_steps(feed, console)
             if code != 0:
                 console.print(f"[red]stage {r.plan.stage} failed ({describe_exit(code)}); see its log: "
-                              f"{r.record.log}[/red]")  # fmt: skip
+                              f"{r.record.log}[/red]", soft_wrap=True)  # fmt: skip
                 _print_tail(console, Path(r.record.log))
                 return 1
             if r.plan.stage == "train":
@@ -102,6 +110,11 @@ def supervise(running: list[Running], paths: RunPaths, console: Console, *, poll
         if all(r.record.exit_code is not None for r in running):
             return 0
         time.sleep(poll_s)
+
+
+def _print_steps(feed: StepFeed, console: Console) -> None:
+    for record in feed.poll():
+        console.print(step_line(record), markup=False, highlight=False, soft_wrap=True)
 
 
 def stop_stages(running: list[Running], paths: RunPaths, *, grace_s: float = GRACE_S) -> None:
@@ -162,7 +175,7 @@ def _print_tail(console: Console, log: Path, lines: int = 15) -> None:
     except OSError:
         return
     for line in tail:
-        console.print(f"    {line}", markup=False, highlight=False)
+        console.print(f"    {line}", markup=False, highlight=False, soft_wrap=True)
 
 
 @contextlib.contextmanager

@@ -17,28 +17,40 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from pipeline.console import fit_columns, people_console, table_width
 from pipeline.errors import ArlError, SchemaError
 from pipeline.launch.jobs import JobRecord, latest, read_jobs, update_record
 from pipeline.launch.state import JobState, pid_is_ours, record_states, unhealthy_nodes
-from pipeline.metrics import read_jsonl
 from pipeline.paths import RunPaths
+from pipeline.run_progress import records_of, step_table
 from pipeline.weight_version import published_version
 
 RECENT_STEPS = 5
 
 
 def show_status(run_dir: str | Path, *, console: Console | None = None) -> int:
-    """Print the run's jobs, progress and recent metrics. Exit status 1 when a stage died, else 0."""
-    console = console or Console()
+    """Print the run's jobs, progress and recent metrics. Exit status 1 when a stage died, else 0.
+
+    Tables fit the console's width by dropping their least important columns; paths are printed
+    on lines of their own, never cut or wrapped."""
+    console = console or people_console()
     paths = _run_paths(run_dir)
     newest = latest(read_jobs(paths))
     states = record_states(list(newest.values()))
     console.print(f"run dir: {paths.root}")
-    console.print(_jobs_table(newest, states) if newest else "no jobs recorded (not launched, or a --dry-run)")
+    if newest:
+        console.print("jobs (newest attempt of each stage):")
+        console.print(_jobs_table(newest, states, console))
+        console.print("logs:")
+        for stage, r in sorted(newest.items()):
+            console.print(f"  {stage:<9} {r.log}", markup=False, highlight=False)
+    else:
+        console.print("no jobs recorded (not launched, or a --dry-run)")
     console.print(_progress_line(paths))
-    recent = _metrics_table(paths)
-    if recent is not None:
-        console.print(recent)
+    recent = records_of(paths)[-RECENT_STEPS:]
+    if recent:
+        console.print(f"last {len(recent)} steps (step k is trained into weight version k+1):")
+        console.print(step_table(recent, console))
     dead = died(newest, states)
     for record in dead:
         for line in death_report(record, states[(record.stage, record.attempt)], paths):
@@ -79,7 +91,7 @@ def stop_run(run_dir: str | Path, *, grace_s: float = 10.0, console: Console | N
     """Cancel every live recorded job of the run: `scancel <ids>` for Slurm, SIGTERM/SIGKILL for local pids."""
     from pipeline.launch.slurm import scancel
 
-    console = console or Console()
+    console = console or people_console()
     paths = _run_paths(run_dir)
     records = [r for attempts in read_jobs(paths).values() for r in attempts]
     states = record_states(records)
@@ -125,65 +137,43 @@ def _run_paths(run_dir: str | Path) -> RunPaths:
     return paths
 
 
-def _jobs_table(newest: dict[str, JobRecord], states: dict[tuple[str, int], JobState]) -> Table:
-    table = Table(title="jobs (newest attempt of each stage)")
-    for column in ("stage", "attempt", "job", "state", "detail", "log"):
-        table.add_column(column)
+_JOB_COLUMNS = (("stage", 0), ("attempt", 3), ("job", 1), ("state", 0), ("detail", 2))
+"""(header, priority): on a narrow console the highest priority number is dropped first."""
+
+
+def _jobs_table(newest: dict[str, JobRecord], states: dict[tuple[str, int], JobState], console: Console) -> Table:
+    rows = []
     for stage, r in sorted(newest.items()):
         state = states[(stage, r.attempt)]
         style = "red" if state.failed else ("green" if state.alive or state.state == "COMPLETED" else "")
         job = f"slurm {r.job_id}" if r.executor == "slurm" else f"pid {r.pid}"
-        table.add_row(stage, str(r.attempt), job, f"[{style}]{state.state}[/{style}]" if style else state.state,
-                      state.detail, r.log)  # fmt: skip
-    return table
+        shown = f"[{style}]{state.state}[/{style}]" if style else state.state
+        rows.append({"stage": stage, "attempt": str(r.attempt), "job": job, "state": shown, "detail": state.detail})
+
+    def build(columns: list[tuple[str, int]]) -> Table:
+        table = Table()
+        for header, _ in columns:
+            table.add_column(header, no_wrap=header != "detail")
+        for row in rows:
+            table.add_row(*(row[header] for header, _ in columns))
+        return table
+
+    kept = fit_columns(_JOB_COLUMNS, lambda cs: table_width(console, build(list(cs))), console.width,
+                       lambda c: c[1])  # fmt: skip
+    return build(kept)
 
 
 def _progress_line(paths: RunPaths) -> str:
+    """Steps and versions as the run dir numbers them: step k's trajectories are trained into version k+1."""
     steps = paths.complete_steps()
     version: Any
     try:
         version = published_version(paths)
+        trained = f" (steps 0-{version - 1} trained)" if version > 0 else " (the initial model)"
     except SchemaError:
-        version = "? (unreadable state/weight_version.json)"
+        version, trained = "? (unreadable state/weight_version.json)", ""
     checkpoints = paths.complete_checkpoints()
     step = steps[-1] if steps else "none yet"
-    return (f"newest complete step: {step} ({len(steps)} complete)   weight version: {version}   "
-            f"newest checkpoint: {checkpoints[-1] if checkpoints else 'none'}")  # fmt: skip
-
-
-def _metrics_table(paths: RunPaths) -> Table | None:
-    rollout = read_jsonl(paths.rollout_metrics)[-RECENT_STEPS:]
-    train = {r["step"]: r for r in read_jsonl(paths.train_metrics)}
-    if not rollout and not train:
-        return None
-    rows = rollout or [{"step": s} for s in sorted(train)[-RECENT_STEPS:]]
-    keys = _pick_keys(rollout, ("reward",)) + _pick_keys(rollout, ("len", "tokens"))
-    train_keys = _pick_keys(list(train.values()), ("loss",))
-    table = Table(title=f"last {len(rows)} steps")
-    for column in ("step", *keys, *(f"train {k}" for k in train_keys)):
-        table.add_column(column, justify="right")
-    for row in rows:
-        step = row.get("step")
-        trained = train.get(step, {}) if isinstance(step, int) else {}
-        cells = [_fmt(row.get(k)) for k in keys] + [_fmt(trained.get(k)) for k in train_keys]
-        table.add_row(str(step), *cells)
-    return table
-
-
-def _pick_keys(records: list[dict[str, Any]], needles: tuple[str, ...], most: int = 3) -> list[str]:
-    """Numeric metric names containing one of `needles`, `*_mean` first (the stages name their own metrics)."""
-    found: list[str] = []
-    for record in records:
-        for key, value in record.items():
-            if key in found or key in ("step", "time") or not isinstance(value, int | float):
-                continue
-            if any(n in key.lower() for n in needles):
-                found.append(key)
-    found.sort(key=lambda k: (not k.endswith("mean"), k))
-    return found[:most]
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    return (f"newest complete step: {step} ({len(steps)} complete)\n"
+            f"weight version: {version}{trained}   newest checkpoint: "
+            f"{f'version {checkpoints[-1]}' if checkpoints else 'none'}")  # fmt: skip

@@ -36,11 +36,12 @@ def test_status_shows_progress_and_the_last_steps_metrics(tmp_path: Path) -> Non
     console = Console(record=True, width=200)
     assert show_status(paths.root, console=console) == 0
     text = console.export_text()
-    assert "newest complete step: 6 (7 complete)" in text and "weight version: 6" in text
-    assert "reward_mean" in text and "sample_len_mean" in text and "train loss" in text
+    assert "newest complete step: 6 (7 complete)" in text and "weight version: 6 (steps 0-5 trained)" in text
     table = text[text.index("last 5 steps"):]
-    assert "0.6" in table and "0.125" in table
-    assert " 42 " in table and " 41 " not in table  # sample_len_mean of steps 2..6 only
+    assert "reward" in table and "length" in table and "loss" in table and "version" in table
+    assert "0.600" in table and "0.1250" in table
+    assert " 42.0 " in table and " 41.0 " not in table  # sample_len_mean of steps 2..6 only
+    assert "│       7 │" in table  # step 6 was trained into weight version 7
     assert "no jobs recorded" in text
 
 
