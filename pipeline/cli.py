@@ -62,14 +62,30 @@ def launch(
     config: Path = typer.Argument(..., help="YAML config file."),
     overrides: list[str] = typer.Argument(None, help="key.sub=value overrides."),
     executor: Executor = typer.Option(Executor.slurm, help="Submit to Slurm, or run the stages as local processes."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Write and print the sbatch scripts; submit nothing."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the sbatch scripts (written under --out only)."),
+    out: Path | None = typer.Option(None, "--out", help="Where --dry-run writes (default: ./arl-dry-run/...)."),
+    prepare: bool = typer.Option(False, "--prepare", help="Create the run dir and its sbatch scripts; submit nothing."),
     resume: bool = typer.Option(False, "--resume", help="Continue an existing run from its last complete step."),
     clean: bool = typer.Option(False, "--clean", help="Delete an existing run dir first."),
 ) -> int:
-    """Create the run dir and start every stage (Slurm jobs via submitit, or local processes)."""
+    """Check everything, create the run dir and start every stage (Slurm jobs via submitit, or local processes)."""
     from pipeline.launch.launcher import launch as do_launch
 
-    return do_launch(config, overrides or [], executor=executor.value, dry_run=dry_run, resume=resume, clean=clean)
+    return do_launch(config, overrides or [], executor=executor.value, dry_run=dry_run, prepare=prepare, out=out,
+                     resume=resume, clean=clean)  # fmt: skip
+
+
+@app.command()
+@_friendly
+def check(
+    config: Path = typer.Argument(..., help="YAML config file."),
+    overrides: list[str] = typer.Argument(None, help="key.sub=value overrides."),
+    executor: Executor = typer.Option(Executor.slurm, help="Check for a Slurm launch, or for local processes."),
+) -> int:
+    """Check a config before launching: model, chat template, agent, dataset, engine, Slurm resources, fileroot."""
+    from pipeline.check import check_command
+
+    return check_command(config, overrides or [], executor=executor.value)
 
 
 @app.command()

@@ -14,11 +14,13 @@ from pathlib import Path
 
 from rich.console import Console
 
+from pipeline.check import require, warn_if_python_not_shared
+from pipeline.config import dump_config
 from pipeline.errors import ArlError, SchemaError, WaitTimeout
 from pipeline.handoff import write_text_atomic
-from pipeline.launch.jobs import JobRecord, add_record, latest, next_attempt, read_jobs
+from pipeline.launch.jobs import JobRecord, add_record, latest, next_attempt, read_jobs, update_record
 from pipeline.launch.plan import StagePlan, plan_run, sbatch_script_path
-from pipeline.launch.rundir import prepare_run_dir, refuse_if_running
+from pipeline.launch.rundir import create_run_dir, refuse_if_running, remove_run_dir, resolve_run
 from pipeline.launch.sbatch import render_sbatch
 from pipeline.launch.state import JobState, record_states
 from pipeline.paths import RunPaths
@@ -34,41 +36,64 @@ def launch(
     *,
     executor: str = "slurm",
     dry_run: bool = False,
+    prepare: bool = False,
+    out: Path | None = None,
     resume: bool = False,
     clean: bool = False,
 ) -> int:
-    """`arl launch` (docs/cli.md). Exit status: 0 submitted / finished, 1 a stage failed, 130 interrupted."""
+    """`arl launch` (docs/cli.md). Exit status: 0 submitted / finished, 1 a stage failed, 130 interrupted.
+
+    Everything is checked (`pipeline.check.require`) before anything is written or submitted. `dry_run`
+    writes the scripts under `out` only; `prepare` creates the run dir and its scripts for plain sbatch.
+    """
     if executor not in EXECUTORS:
         raise ArlError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
-    console = Console()
-    config, paths = prepare_run_dir(Path(config_path), overrides, resume=resume, clean=clean)
-    workdir = Path(os.getcwd())  # relative paths in the config (model, data) mean the same to every job
-    plans = plan_run(config, paths.root)
-    if resume and not dry_run:
+    if dry_run and prepare:
+        raise ArlError("pass --dry-run (print the scripts, write nothing under fileroot) or --prepare (create the "
+                       "run dir and its scripts for plain sbatch), not both")  # fmt: skip
+    console = Console(soft_wrap=True)
+    config, paths = resolve_run(Path(config_path), overrides, resume=resume, clean=clean)
+    # Relative paths in the config (model, data) mean the same to every job: they all start in `workdir`.
+    workdir = Path(config.cluster.workdir if config.cluster.workdir and executor == "slurm" else os.getcwd())
+    require(config, executor=executor, submit=not (dry_run or prepare), workdir=workdir)
+    if executor == "slurm":
+        warn_if_python_not_shared(config, console)
+    plans = plan_run(config, paths.root, python=config.cluster.python if executor == "slurm" else None)
+    if dry_run:
+        attempts = {plan.stage: next_attempt(paths, plan.stage) for plan in plans}
+        target = (out or Path("arl-dry-run") / f"{config.experiment_name}-{config.trial_name}").absolute()
+        return write_dry_run(plans, config, paths, attempts, workdir=workdir, out=target, console=console)
+    if resume and not prepare:
         plans = _skip_live_stages(plans, paths, executor, console)
         if not plans:
             console.print("every stage is still running: nothing to relaunch (`arl status` shows them)")
             return 0
-    attempts = {plan.stage: next_attempt(paths, plan.stage) for plan in plans}
-    console.print(f"run dir: {paths.root}  (config frozen in {paths.config})")
-    if dry_run:
-        return write_dry_run(plans, config, paths, attempts, workdir=workdir, console=console)
-    if resume and (done := finished_version(paths)) >= config.num_steps:
+    if resume and not prepare and (done := finished_version(paths)) >= config.num_steps:
         console.print(f"the run is already complete (weight version {done} >= num_steps={config.num_steps}); "
                       "pass num_steps=<more> with --resume to train further")  # fmt: skip
         return 0
+    fresh = not paths.root.exists() or clean
+    create_run_dir(config, paths, clean=clean)
+    attempts = {plan.stage: next_attempt(paths, plan.stage) for plan in plans}
+    console.print(f"run dir: {paths.root}  (config frozen in {paths.config})")
+    if prepare:
+        return write_prepared(plans, config, paths, attempts, workdir=workdir, console=console)
     if executor == "local":
         from pipeline.launch.local import run_local
 
         console.print(f"starting {len(plans)} local stages (Ctrl-C stops them all):")
         return run_local(plans, paths, attempts, workdir=workdir, console=console)
-    submit_all(plans, config, paths, attempts, workdir=workdir, console=console)
+    submit_all(plans, config, paths, attempts, workdir=workdir, console=console, fresh=fresh)
     return 0
 
 
 def submit_all(plans: list[StagePlan], config: ArlConfig, paths: RunPaths, attempts: dict[str, int], *,
-               workdir: Path, console: Console) -> list[JobRecord]:  # fmt: skip
-    """Submit every stage job, recording each in `jobs.json` as soon as Slurm accepted it."""
+               workdir: Path, console: Console, fresh: bool = False) -> list[JobRecord]:  # fmt: skip
+    """Submit every stage job, recording each in `jobs.json` as soon as Slurm accepted it.
+
+    When one is refused, the jobs this launch already submitted are cancelled, and a run dir this launch
+    created is removed: nothing is left behind, so the same command (or another executor) can be retried.
+    """
     from pipeline.launch.slurm import submit_stage
 
     records: list[JobRecord] = []
@@ -76,10 +101,7 @@ def submit_all(plans: list[StagePlan], config: ArlConfig, paths: RunPaths, attem
         try:
             record = submit_stage(plan, config, paths, attempt=attempts[plan.stage], workdir=workdir)
         except ArlError as exc:
-            if records:
-                done = ", ".join(f"{r.stage} (job {r.job_id})" for r in records)
-                raise ArlError(f"{exc}. Already submitted: {done}; cancel them with `arl stop {paths.root}`") from None
-            raise
+            raise ArlError(f"{exc}. {_undo_submission(records, paths, fresh=fresh)}") from None
         add_record(paths, record)
         records.append(record)
     console.print(f"submitted {len(records)} Slurm jobs:")
@@ -89,9 +111,51 @@ def submit_all(plans: list[StagePlan], config: ArlConfig, paths: RunPaths, attem
     return records
 
 
+def _undo_submission(records: list[JobRecord], paths: RunPaths, *, fresh: bool) -> str:
+    """Cancel what this launch submitted; remove the run dir it created. Returns what was done, for the error."""
+    from pipeline.launch.slurm import scancel
+
+    done = []
+    if records:
+        for record in records:
+            record.stopped = True
+            update_record(paths, record)
+        scancel([r.job_id for r in records if r.job_id])
+        _states_once_settled(records, deadline_s=60.0)  # their processes end before the dir goes
+        done.append("cancelled " + ", ".join(f"{r.stage} (job {r.job_id})" for r in records))
+    if fresh:
+        remove_run_dir(paths.root)
+        done.append(f"removed the run dir {paths.root} this launch created")
+    else:
+        done.append(f"kept the run dir {paths.root}: it existed before")
+    return "Nothing is left running: " + "; ".join(done)
+
+
 def write_dry_run(plans: list[StagePlan], config: ArlConfig, paths: RunPaths, attempts: dict[str, int], *,
-                  workdir: Path, console: Console) -> int:  # fmt: skip
-    """Write one sbatch script per stage, print each, and say how to submit them by hand."""
+                  workdir: Path, out: Path, console: Console) -> int:  # fmt: skip
+    """Write each stage's sbatch script and the resolved config under `out`, print them; nothing else is written."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "config.yaml", dump_config(config))
+    scripts = []
+    for plan in plans:
+        path = out / f"{plan.stage}.sbatch"
+        write_text_atomic(path, render_sbatch(plan, config, paths, attempt=attempts[plan.stage], workdir=workdir,
+                                              script_path=path))  # fmt: skip
+        scripts.append(path)
+        console.rule(str(path))
+        console.print(path.read_text(), markup=False, highlight=False, soft_wrap=True)
+    console.rule()
+    console.print(f"dry run: nothing submitted, nothing written under fileroot; the scripts and the resolved config "
+                  f"are in {out}")  # fmt: skip
+    console.print(f"to submit by hand: the same arl launch command with --prepare instead of --dry-run creates the "
+                  f"run dir {paths.root} and writes these scripts into it; then sbatch them in any order",
+                  markup=False, highlight=False)  # fmt: skip
+    return 0
+
+
+def write_prepared(plans: list[StagePlan], config: ArlConfig, paths: RunPaths, attempts: dict[str, int], *,
+                   workdir: Path, console: Console) -> int:  # fmt: skip
+    """`--prepare`: the run dir exists; write one sbatch script per stage into it and say how to submit them."""
     scripts = []
     for plan in plans:
         path = sbatch_script_path(paths, plan.stage)
@@ -99,12 +163,9 @@ def write_dry_run(plans: list[StagePlan], config: ArlConfig, paths: RunPaths, at
         write_text_atomic(path, render_sbatch(plan, config, paths, attempt=attempts[plan.stage], workdir=workdir))
         path.chmod(0o755)
         scripts.append(path)
-        console.rule(str(path))
-        console.print(path.read_text(), markup=False, highlight=False, soft_wrap=True)
-    console.rule()
-    console.print("dry run: nothing submitted. Submit the stages in any order with plain sbatch:")
+    console.print("prepared: nothing submitted. Submit the stages in any order with plain sbatch:")
     for path in scripts:
-        console.print(f"  sbatch {path}")
+        console.print(f"  sbatch {path}", markup=False, highlight=False)
     return 0
 
 

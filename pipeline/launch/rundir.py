@@ -57,6 +57,15 @@ def prepare_run_dir(
     config_path: Path, overrides: list[str], *, resume: bool, clean: bool
 ) -> tuple[ArlConfig, RunPaths]:
     """The config to run with and the (absolute) run dir, created or checked; config.yaml written."""
+    config, paths = resolve_run(config_path, overrides, resume=resume, clean=clean)
+    create_run_dir(config, paths, clean=clean)
+    return config, paths
+
+
+def resolve_run(
+    config_path: Path, overrides: list[str], *, resume: bool, clean: bool
+) -> tuple[ArlConfig, RunPaths]:
+    """The config to run with and the (absolute) run dir, checked but not touched: nothing is written."""
     if resume and clean:
         raise ArlError("pass either --resume (continue the run) or --clean (delete it and start over), not both")
     config = load_config(config_path, overrides)
@@ -72,10 +81,15 @@ def prepare_run_dir(
             raise ArlError(f"run dir {paths.root} already exists: pass --resume to continue that run, or --clean "
                            f"to delete it and start over (or choose another trial_name=...)")  # fmt: skip
         refuse_if_running(paths, "--clean")
+    return config, paths
+
+
+def create_run_dir(config: ArlConfig, paths: RunPaths, *, clean: bool) -> None:
+    """Make the run dir `resolve_run` checked (after `--clean` removed the old one) and freeze the config."""
+    if clean and has_run_data(paths):
         remove_run_dir(paths.root)
     paths.root.mkdir(parents=True, exist_ok=True)
     write_text_atomic(paths.config, dump_config(config))
-    return config, paths
 
 
 def has_run_data(paths: RunPaths) -> bool:

@@ -19,8 +19,8 @@ TEMPLATE_NAME = "stage.sbatch.j2"
 
 
 def template_dir() -> Path:
-    """The repo's `slurm/` directory (the package is installed in editable mode from the repo)."""
-    return Path(__file__).resolve().parents[2] / "slurm"
+    """`pipeline/slurm`: the repo's `slurm/` directory in a checkout (a link to it), package data in a wheel."""
+    return Path(__file__).resolve().parents[1] / "slurm"
 
 
 def render_sbatch(
@@ -31,6 +31,7 @@ def render_sbatch(
     attempt: int,
     workdir: Path,
     submitit_command: str | None = None,
+    script_path: Path | None = None,
 ) -> str:
     """The sbatch script of `plan`'s stage for `attempt`.
 
@@ -52,7 +53,7 @@ def render_sbatch(
         attempt=attempt,
         run_dir=str(paths.root),
         run_dir_q=shlex.quote(str(paths.root)),
-        script_path=str(sbatch_script_path(paths, plan.stage)),
+        script_path=str(script_path or sbatch_script_path(paths, plan.stage)),
         job_name=shlex.quote(job_name(config, plan.stage)),
         log=shlex.quote(str(paths.stage_log(plan.stage, attempt))),
         workdir=shlex.quote(str(workdir)),

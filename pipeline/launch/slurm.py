@@ -12,6 +12,7 @@ from __future__ import annotations
 import shlex
 import socket
 import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,7 @@ class StageCommand:
         return 0
 
 
-def _executor(folder: Path, render: Callable[[str], str], plan: StagePlan) -> Any:
+def _executor(folder: Path, render: Callable[[str], str], plan: StagePlan, python: str) -> Any:
     import submitit
 
     class ArlSlurmExecutor(submitit.SlurmExecutor):  # type: ignore[misc]
@@ -49,7 +50,8 @@ def _executor(folder: Path, render: Callable[[str], str], plan: StagePlan) -> An
             return render(command)
 
     try:
-        executor = ArlSlurmExecutor(folder=folder)
+        # submitit's runner line starts with this interpreter: the stage's own (`cluster.python`), as on the node
+        executor = ArlSlurmExecutor(folder=folder, python=python)
     except RuntimeError as exc:  # submitit: "Could not detect srun"
         raise ArlError(
             f"cannot submit to Slurm here ({exc}); run on a Slurm login node, or pass --executor local"
@@ -71,7 +73,7 @@ def submit_stage(plan: StagePlan, config: ArlConfig, paths: RunPaths, *, attempt
     def render(command: str) -> str:
         return render_sbatch(plan, config, paths, attempt=attempt, workdir=workdir, submitit_command=command)
 
-    executor = _executor(submitit_folder(paths), render, plan)
+    executor = _executor(submitit_folder(paths), render, plan, config.cluster.python or sys.executable)
     try:
         job = executor.submit(StageCommand(plan.argv, str(log)))
     except FailedJobError as exc:

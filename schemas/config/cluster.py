@@ -50,6 +50,14 @@ class ClusterConfig(Block):
     """Resources of the trainer job."""
     setup: list[str] = Field(default_factory=list)
     """Shell lines run before every stage (before the stage's own `setup`)."""
+    python: str | None = None
+    """The interpreter every stage job runs (`python -m pipeline.cli stage ...`): an absolute path as the nodes
+    see it, or a name looked up on the node's PATH after the setup lines (`python` when `setup` activates a venv
+    the nodes see). `None`: the interpreter that runs `arl launch` (warned about when it lies outside the file
+    system of `fileroot`, which every node mounts)."""
+    workdir: str | None = None
+    """Directory every stage job starts in (`#SBATCH --chdir`); relative paths in the config (model, agent, data)
+    resolve from it, for the checks too. `None`: the directory `arl launch` runs in."""
     network_interface: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:@-]+$")
     """Network interface between nodes (e.g. `ib0`, `eth0`) for the trainer's collectives and the weight
     broadcast: exported to every stage as `GLOO_SOCKET_IFNAME` and `NCCL_SOCKET_IFNAME`, and the trainer

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+REPO = Path(__file__).resolve().parents[2]
+
 FAKE_STAGE = '''
 """Stand-in for a real stage: records that it ran, then behaves as FAKE_* variables say."""
 import os, signal, sys, time
@@ -59,14 +61,18 @@ STAGE_NAMES = ("inference", "rollout", "proxy", "train")
 
 
 @pytest.fixture
-def workdir(tmp_path: Path) -> Path:
-    """A work dir holding the stand-in `stages` package and a config whose run dir lives under it."""
+def workdir(tmp_path: Path, tiny_model_dir: Path) -> Path:
+    """A work dir holding the stand-in `stages` package and a config whose run dir lives under it (with a real
+    model, agent and dataset: `arl launch` checks them before it writes or submits anything)."""
     pkg = tmp_path / "stages"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     for name in STAGE_NAMES:
         (pkg / f"{name}.py").write_text(FAKE_STAGE)
-    config = {"fileroot": str(tmp_path / "runs"), "experiment_name": "e2e", "trial_name": "t", "num_steps": 2}
+    config = {"fileroot": str(tmp_path / "runs"), "experiment_name": "e2e", "trial_name": "t", "num_steps": 2,
+              "model": {"path": str(tiny_model_dir)},
+              "rollout": {"agent": f"{REPO}/examples/demo_agent.py:DemoAgent",
+                          "dataset": {"path": f"{REPO}/examples/data/demo.jsonl"}}}  # fmt: skip
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     return tmp_path
 
@@ -290,8 +296,8 @@ def test_a_failed_slurm_stage_is_reported_with_its_log(workdir: Path) -> None:
 
 @pytest.mark.slurm
 @slurm
-def test_a_dry_run_script_runs_with_plain_sbatch(workdir: Path) -> None:
-    dry = arl(workdir, "launch", "config.yaml", "--dry-run")
+def test_a_prepared_script_runs_with_plain_sbatch(workdir: Path) -> None:
+    dry = arl(workdir, "launch", "config.yaml", "--prepare")
     assert dry.returncode == 0, dry.stdout + dry.stderr
     script = run_dir(workdir) / "sbatch" / "train.sbatch"
     assert f"sbatch {script}" in dry.stdout and not (run_dir(workdir) / "jobs.json").exists()
@@ -306,9 +312,9 @@ def test_a_dry_run_script_runs_with_plain_sbatch(workdir: Path) -> None:
 
 @pytest.mark.slurm
 @slurm
-def test_hand_submitted_dry_run_jobs_record_themselves_for_status_and_stop(workdir: Path) -> None:
-    """Jobs from plain `sbatch` of dry-run scripts appear in `arl status` and are cancelled by `arl stop`."""
-    assert arl(workdir, "launch", "config.yaml", "--dry-run").returncode == 0
+def test_hand_submitted_prepared_jobs_record_themselves_for_status_and_stop(workdir: Path) -> None:
+    """Jobs from plain `sbatch` of prepared scripts appear in `arl status` and are cancelled by `arl stop`."""
+    assert arl(workdir, "launch", "config.yaml", "--prepare").returncode == 0
     env = {**os.environ, "FAKE_TRAIN_FOREVER": "1"}
     ids = {}
     for stage in ("inference", "rollout", "train"):

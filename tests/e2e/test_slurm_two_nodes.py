@@ -238,7 +238,7 @@ def test_one_inference_job_serves_from_both_nodes(tmp_path: Path, tiny_model_dir
     run_dir = tmp_path / "runs" / "inference-nodes" / "t0"
     overrides = [f"fileroot={tmp_path / 'runs'}", "experiment_name=inference-nodes", "trial_name=t0",
                  f"model.path={tiny_model_dir}", "inference.host=0.0.0.0", "cluster.inference.nodes=2"]  # fmt: skip
-    dry = arl("launch", str(REPO / "examples" / "demo.yaml"), *overrides, "--dry-run")
+    dry = arl("launch", str(REPO / "examples" / "demo.yaml"), *overrides, "--prepare")
     assert dry.returncode == 0, dry.stdout + dry.stderr
     job = slurm("sbatch", "--parsable", str(run_dir / "sbatch" / "inference.sbatch")).split(";")[0]
     registry = run_dir / "registry" / "inference"

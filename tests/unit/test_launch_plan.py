@@ -75,10 +75,10 @@ def test_multi_gpu_trainer_runs_torchrun_once_per_node(tmp_path: Path) -> None:
     script = _script(tmp_path, FULL, "train")
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     argv = shlex.split(srun)
-    assert argv[:4] == ["srun", "--ntasks-per-node=1", "--cpus-per-task=${SLURM_CPUS_PER_TASK:-1}",
+    assert argv[:5] == ["srun", "--export=ALL", "--ntasks-per-node=1", "--cpus-per-task=${SLURM_CPUS_PER_TASK:-1}",
                         "--kill-on-bad-exit=1"]  # fmt: skip
-    assert argv[4:6] == ["bash", "-c"]
-    inner = shlex.split(argv[6])
+    assert argv[5:7] == ["bash", "-c"]
+    inner = shlex.split(argv[7])
     assert inner[0] == "exec" and inner[2:4] == ["-m", "torch.distributed.run"]
     assert "--nnodes=2" in inner and "--nproc-per-node=8" in inner and "--rdzv-backend=c10d" in inner
     assert inner[-6:] == ["-m", "pipeline.cli", "stage", "train", "--run-dir", str(tmp_path / "run")]
