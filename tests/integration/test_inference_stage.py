@@ -162,3 +162,17 @@ def test_cli_stage_serves_the_checkpoint_and_cleans_up_on_sigterm(tmp_path: Path
             proc.kill()
             proc.wait()
     assert "inference servers ready" in paths.stage_log("inference", 1).read_text()
+
+
+def test_a_stop_while_starting_registers_nothing_and_claims_no_readiness(
+    tmp_path: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    paths, config = make_run(tmp_path, tiny_model_dir)
+    stop = threading.Event()
+    stop.set()  # SIGTERM arrived before the servers answered /health
+    with caplog.at_level("INFO", logger="arl.engine.launch"):
+        assert run_inference(StageContext("inference", paths, config, attempt=1), stop=stop) == 0
+    assert read_entries(paths) == {}
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("servers ready" in m for m in messages)
+    assert any("stop requested while the servers were starting" in m for m in messages)

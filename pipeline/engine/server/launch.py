@@ -80,6 +80,9 @@ def run_inference(ctx: StageContext, *, stop: threading.Event | None = None) -> 
         for index, port in zip(server_indices(config), _ports(config), strict=True):
             servers.append(_start(paths, config, index, port, model_path, version, attempt))
         _wait_healthy(servers, config.inference.startup_timeout_s, stop)
+        if stop.is_set():  # stopped while starting: nothing was ready, nothing is registered
+            log.info("stop requested while the servers were starting: stopping them")
+            return 0
         for server in servers:
             register(paths, server)
         log.info("inference servers ready: %s", ", ".join(s.url for s in servers))
