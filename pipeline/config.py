@@ -7,6 +7,8 @@ ignored `trainer.lrr=1e-6` costs a user a whole cluster run.
 from __future__ import annotations
 
 import difflib
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -93,8 +95,7 @@ def _check_key(dotted: str) -> None:
         if part not in fields:
             raise ConfigError(_unknown_key_message(".".join([*walked, part]), part, list(fields)))
         walked.append(part)
-        annotation = fields[part].annotation
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        model = _block_of(fields[part].annotation)
 
 
 def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
@@ -115,13 +116,21 @@ def _unknown_key_message(path: str, name: str, valid: list[str]) -> str:
     return f"unknown config key {path!r}{hint}; valid keys here: {', '.join(sorted(valid))}"
 
 
+def _block_of(annotation: Any) -> type[BaseModel] | None:
+    """The block a field holds: `Block` itself, or the block of an optional one (`Block | None`, e.g.
+    `metrics.wandb`, so `metrics.wandb.mode=offline` is a valid override that turns the block on)."""
+    candidates = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    blocks = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+    return blocks[0] if len(blocks) == 1 else None
+
+
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    model: type[BaseModel] = ArlConfig
+    model: type[BaseModel] | None = ArlConfig
     for part in loc:
-        field = model.model_fields.get(str(part))
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+        field = model.model_fields.get(str(part)) if model is not None else None
+        if field is None:
             return None
-        model = field.annotation
+        model = _block_of(field.annotation)
     return model
 
 

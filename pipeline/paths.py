@@ -176,6 +176,15 @@ class RunPaths:
         return self.metrics / "tb"
 
     @property
+    def wandb(self) -> Path:
+        """W&B's own directory (`wandb.init(dir=metrics)`): offline runs, debug logs, and our run ids."""
+        return self.metrics / "wandb"
+
+    def wandb_run_id(self, stage: str) -> Path:
+        """The id of `stage`'s W&B run, kept so a resumed stage continues the same W&B run."""
+        return self.wandb / f"{stage}.run_id"
+
+    @property
     def logs(self) -> Path:
         return self.root / "logs"
 

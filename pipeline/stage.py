@@ -54,6 +54,10 @@ def open_stage(name: StageName, run_dir: Path, step: int | None = None) -> Stage
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("ARL_ATTEMPT", "0")) or paths.next_attempt(name)
     setup_logging(name, stage_log_file(paths, name, attempt, rank))
+    if config.metrics.wandb is not None and name != "inference":
+        from pipeline.metrics import import_wandb
+
+        import_wandb()  # a missing `wandb` extra fails the stage here, before a model is loaded or a server started
     if step is not None and name == "inference":
         logging.getLogger("arl").info("--step %d ignored: the inference stage serves every step", step)
         step = None

@@ -177,7 +177,7 @@ async def run_external(ctx: StageContext, *, name: str = "external") -> list[int
     if subscriber.finished.qsize() and steps:
         log.info("%d finished sessions from %s count toward step %d", subscriber.finished.qsize(), spool.dir,
                  steps[0])  # fmt: skip
-    sink = open_sink(paths)
+    sink = open_sink(ctx)
     async with open_services(config, paths, name=name, subscribe=subscriber.subscribe) as services:
         try:
             run = ExternalRun(services.control, subscriber, spool, paths, config, sink, name)

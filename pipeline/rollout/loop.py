@@ -69,7 +69,7 @@ async def run_rollout(ctx: StageContext) -> list[int]:
         log.info("all %d steps already have a manifest: nothing to do", config.num_steps)
         return []
     agent = resolve_agent(config.rollout.agent, config.rollout.agent_kwargs, mode=config.rollout.mode)
-    sink = open_sink(paths)
+    sink = open_sink(ctx)
     async with open_services(config, paths, name="rollout") as services:
         executor = make_executor(agent, config, services.http)
         rollout = Rollout(config, paths, schedule, executor, services.control, services.proxy_url,
@@ -102,14 +102,19 @@ def make_executor(agent: Agent, config: ArlConfig, http: Any) -> Executor:
     return InlineExecutor(agent, http)
 
 
-def open_sink(paths: RunPaths) -> MetricsSink:
-    from pipeline.metrics import JsonlSink, MultiSink, TensorBoardSink
+def open_sink(ctx: StageContext) -> MetricsSink:
+    """`metrics/rollout.jsonl`, TensorBoard and (with `metrics.wandb`) this stage's W&B run, all under `rollout/`:
+    the rollout and the standalone proxy stage write the same rows."""
+    from pipeline.metrics import JsonlSink, MultiSink, TensorBoardSink, open_wandb
 
+    paths = ctx.paths
+    wandb = open_wandb(ctx.config, paths, ctx.name, prefix="rollout", redo_step=ctx.only_step)
     try:
-        return MultiSink(JsonlSink(paths.rollout_metrics), TensorBoardSink(paths.tensorboard / "rollout", "rollout"))
+        return MultiSink(JsonlSink(paths.rollout_metrics), TensorBoardSink(paths.tensorboard / "rollout", "rollout"),
+                         wandb)  # fmt: skip
     except ImportError as exc:  # tensorboard is optional at run time; the JSONL line is the record
         log.warning("TensorBoard unavailable (%s); metrics go to %s only", exc, paths.rollout_metrics)
-        return JsonlSink(paths.rollout_metrics)
+        return MultiSink(JsonlSink(paths.rollout_metrics), wandb)
 
 
 async def produce_step(ro: Rollout, step: int) -> None:

@@ -39,7 +39,7 @@ log = logging.getLogger("arl.trainer")
 
 def run_trainer(ctx: StageContext) -> int:
     """The `train` stage: every remaining step of the run, or (with `ctx.only_step`) exactly that one step."""
-    trainer = Trainer(ctx.config, ctx.paths)
+    trainer = Trainer(ctx.config, ctx.paths, redo_step=ctx.only_step)
     try:
         if ctx.only_step is None:
             trainer.run()
@@ -51,12 +51,12 @@ def run_trainer(ctx: StageContext) -> int:
 
 
 class Trainer:
-    def __init__(self, config: ArlConfig, paths: RunPaths) -> None:
+    def __init__(self, config: ArlConfig, paths: RunPaths, *, redo_step: int | None = None) -> None:
         self.config, self.paths, self.cfg = config, paths, config.trainer
         seed_everything(self.cfg.seed, self.cfg.deterministic)
         self.backend = make_backend(config, total_updates=config.num_steps * self.cfg.minibatches)
         self.rank0 = self.backend.rank == 0
-        self.sinks = open_sinks(paths, self.backend.rank)
+        self.sinks = open_sinks(config, paths, self.backend.rank, redo_step=redo_step)
         self.publisher = None
         if self.rank0:
             tied = bool(read_json(Path(config.model.path) / "config.json").get("tie_word_embeddings", False))

@@ -1,4 +1,4 @@
-"""The trainer's per-step metrics (metrics/train.jsonl and TensorBoard under metrics/tb/).
+"""The trainer's per-step metrics (metrics/train.jsonl, TensorBoard under metrics/tb/, W&B if configured).
 
 Token diagnostics arrive as sums over tokens from every micro-batch (and every rank, all-reduced);
 they become means here, so a metric never depends on how samples were packed or sharded.
@@ -12,20 +12,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.metrics import JsonlSink, MetricsSink, MultiSink, NullSink, TensorBoardSink
+from pipeline.metrics import JsonlSink, MetricsSink, MultiSink, NullSink, TensorBoardSink, open_wandb
 from pipeline.paths import RunPaths
 from pipeline.trainer.backend import MinibatchStats
 from pipeline.trainer.data import StepData
+from schemas.config import ArlConfig
 
 # Dense bf16 tensor-core peak per GPU (FLOP/s), from the vendors' datasheets (SXM parts).
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 
 
-def open_sinks(paths: RunPaths, rank: int) -> MetricsSink:
-    """JSONL + TensorBoard on rank 0; a null sink elsewhere (one writer per file)."""
+def open_sinks(config: ArlConfig, paths: RunPaths, rank: int, *, redo_step: int | None = None) -> MetricsSink:
+    """JSONL + TensorBoard (+ W&B when `metrics.wandb` is set) on rank 0; a null sink elsewhere (one writer
+    per file, one W&B run per stage). `redo_step`: the `--step N` being redone (W&B logs it to a run of its own)."""
     if rank != 0:
         return NullSink()
-    return MultiSink(JsonlSink(paths.train_metrics), TensorBoardSink(paths.tensorboard, "train"))
+    return MultiSink(JsonlSink(paths.train_metrics), TensorBoardSink(paths.tensorboard, "train"),
+                     open_wandb(config, paths, "train", prefix="train", redo_step=redo_step))  # fmt: skip
 
 
 def peak_flops(device: torch.device) -> float | None:

@@ -13,6 +13,7 @@ from pydantic_core import PydanticCustomError
 from schemas.config.base import UNSUPPORTED, Block
 from schemas.config.cluster import ClusterConfig, StageResources
 from schemas.config.inference import InferenceConfig, replica_flags
+from schemas.config.metrics import MetricsConfig, WandbConfig
 from schemas.config.model import ModelConfig
 from schemas.config.proxy import ProxyConfig
 from schemas.config.rollout import DatasetConfig, RolloutConfig
@@ -25,12 +26,14 @@ __all__ = [
     "DatasetConfig",
     "InferenceConfig",
     "MegatronConfig",
+    "MetricsConfig",
     "ModelConfig",
     "OptimizerConfig",
     "ProxyConfig",
     "RolloutConfig",
     "StageResources",
     "TrainerConfig",
+    "WandbConfig",
 ]
 
 
@@ -53,6 +56,8 @@ class ArlConfig(Block):
     """Agent, data and step production."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     """Algorithm, optimizer, checkpoints, weight publication."""
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    """Metrics sinks beyond JSONL and TensorBoard (W&B)."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     """Slurm resources per stage."""
 

@@ -142,6 +142,28 @@ def read_rows(paths: RunPaths, step: int) -> list[dict[str, Any]]:
     return table.to_pylist()
 
 
+async def test_metrics_wandb_offline_puts_the_reward_curve_in_the_stages_wandb_run(
+    tmp_path: Path, tiny_model_dir: Path, engine_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`metrics.wandb.mode=offline` is the only change: the rows of metrics/rollout.jsonl land in the rollout's
+    W&B run (under the run dir, read back from its `.wandb` file) at the same steps."""
+    from wandb_offline import isolate_wandb, offline_runs  # tests/integration is on sys.path (pytest)
+
+    from pipeline.rollout.loop import run_rollout
+
+    isolate_wandb(monkeypatch, tmp_path)
+    config, paths = make_run(tmp_path, tiny_model_dir, engine_url, "InlineToolAgent")
+    config = validate_config({**config.model_dump(mode="json"), "metrics": {"wandb": {"mode": "offline"}}})
+    paths.config.write_text(dump_config(config))
+    assert await run_rollout(StageContext("rollout", paths, config)) == [0, 1]
+
+    (run,) = offline_runs(paths.wandb, paths.wandb_run_id("rollout").read_text().strip())
+    rewards = {m["step"]: m["reward_mean"] for m in read_jsonl(paths.rollout_metrics)}
+    assert {step: logged["rollout/reward_mean"] for step, logged in run.history.items()} == rewards
+    assert sorted(rewards) == [0, 1] and run.exit_code == 0
+    assert (run.run.job_type, run.run.run_group) == ("rollout", f"{config.experiment_name}/{config.trial_name}")
+
+
 async def test_inline_tool_agent_produces_valid_shards(tmp_path: Path, tiny_model_dir: Path, engine_url: str) -> None:
     from pipeline.rollout.loop import build_schedule, run_rollout
 

@@ -190,3 +190,25 @@ def test_arl_launch_dry_run_refuses_it_before_creating_anything(tmp_path: Path) 
     assert result.exit_code == 2, result.output
     assert "error: invalid config" in result.output and "--dp-size 2" in result.output
     assert "Traceback" not in result.output and not (tmp_path / "runs").exists()
+
+
+def test_metrics_wandb_is_off_unless_set_and_one_override_turns_it_on() -> None:
+    assert load_config(None).metrics.wandb is None
+    config = load_config(None, ["metrics.wandb.mode=offline", "metrics.wandb.tags=[a, b]"])
+    wandb = config.metrics.wandb
+    assert wandb is not None and (wandb.mode, wandb.project, wandb.entity, wandb.group) == ("offline", "arl", None,
+                                                                                           None)  # fmt: skip
+    assert wandb.tags == ["a", "b"]
+    assert validate_config(yaml.safe_load(dump_config(config))) == config
+    assert load_config(None, ["metrics.wandb.mode=offline", "metrics.wandb=null"]).metrics.wandb is None
+
+
+def test_metrics_wandb_mistakes_name_the_key_and_the_choices(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"metrics\.wandb\.mode.*'online', 'offline' or 'disabled'.*got 'shared'"):
+        load_config(None, ["metrics.wandb.mode=shared"])
+    with pytest.raises(ConfigError, match=r"'metrics\.wandb\.projct' \(did you mean 'project'\?\).*entity"):
+        load_config(None, ["metrics.wandb.projct=x"])
+    path = tmp_path / "c.yaml"
+    path.write_text("metrics:\n  wandb: {project: p, mod: offline}\n")
+    with pytest.raises(ConfigError, match=r"'metrics\.wandb\.mod' \(did you mean 'mode'\?\)"):
+        load_config(path)

@@ -44,6 +44,8 @@ def test_every_spec_path(tmp_path: Path) -> None:
         p.rollout_metrics: "metrics/rollout.jsonl",
         p.train_metrics: "metrics/train.jsonl",
         p.tensorboard: "metrics/tb",
+        p.wandb: "metrics/wandb",
+        p.wandb_run_id("train"): "metrics/wandb/train.run_id",
         p.stage_log("train", 2): "logs/train/attempt_2.log",
     }
     for got, rel in expected.items():
