@@ -28,6 +28,7 @@ log = logging.getLogger("arl.launch")
 RESUMABLE = (
     "num_steps",
     "cluster",
+    "metrics",
     "inference.num_servers",
     "inference.host",
     "inference.port",
