@@ -209,7 +209,7 @@ class RunPaths:
 
     @property
     def self_recorded_jobs(self) -> Path:
-        """One file per Slurm job that recorded itself (a dry-run script submitted with plain sbatch)."""
+        """One file per Slurm job that recorded itself (a prepared script submitted with plain sbatch)."""
         return self.root / "sbatch" / "self_recorded"
 
     @property

@@ -15,7 +15,7 @@ Example:
 
 Only the launcher writes it (one process per launch; a second launch refuses while jobs run),
 always atomically, so `arl status` / `arl stop` never read a torn file. A stage job submitted by
-hand (`sbatch` of a dry-run script) records itself instead, in a file of its own under
+hand (`sbatch` of a prepared script) records itself instead, in a file of its own under
 `sbatch/self_recorded/` (so concurrent jobs never rewrite a shared file); readers merge the two.
 """
 
@@ -103,7 +103,7 @@ def _self_recorded(paths: RunPaths) -> list[JobRecord]:
 def record_this_slurm_job(paths: RunPaths, stage: str) -> JobRecord | None:
     """Record the running stage when it is a Slurm job started from our sbatch script by hand.
 
-    Jobs `arl launch` submits are recorded by the launcher, but a dry-run script submitted with plain
+    Jobs `arl launch` submits are recorded by the launcher, but a prepared script submitted with plain
     `sbatch` would otherwise be invisible to `arl status` and `arl stop`. Only the job's first task
     records (one file per job id); the local executor (ARL_EXECUTOR=local) and runs without
     ARL_ATTEMPT (not started from our script) never do.

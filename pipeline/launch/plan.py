@@ -49,7 +49,7 @@ def sbatch_script_path(paths: RunPaths, stage: str) -> Path:
 
 
 def submitit_folder(paths: RunPaths) -> Path:
-    """submitit's pickles and results for the run's jobs (next to the dry-run scripts)."""
+    """submitit's pickles and results for the run's jobs (next to the prepared scripts)."""
     return paths.submitit_dir
 
 

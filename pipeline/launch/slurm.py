@@ -84,7 +84,7 @@ def submit_stage(plan: StagePlan, config: ArlConfig, paths: RunPaths, *, attempt
 
 
 def submit_script(script: Path) -> str:
-    """Plain `sbatch SCRIPT` (what a user does with a dry-run script); returns the job id."""
+    """Plain `sbatch SCRIPT` (what a user does with a prepared script); returns the job id."""
     proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise ArlError(f"sbatch {script} failed: {proc.stderr.strip()}")
