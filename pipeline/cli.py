@@ -145,13 +145,13 @@ def inspect(
 def demo(
     overrides: list[str] = typer.Argument(None, help="key.sub=value overrides of examples/demo.yaml."),
     steps: int = typer.Option(24, "--steps", help="Training steps."),
-    workdir: Path = typer.Option(Path("runs"), "--workdir", help="Where the tiny model and the run dir go."),
+    out: Path = typer.Option(Path("runs"), "--out", "--workdir", help="Where the tiny model and the run dir go."),
     max_staleness: int = typer.Option(1, "--max-staleness", help="0 = synchronous, 1 = overlap rollout and training."),
 ) -> int:
     """A complete local run on a tiny model (CPU): inference, rollout with an OpenAI-SDK agent, training."""
     from pipeline.demo import run_demo
 
-    return run_demo(steps=steps, workdir=workdir, max_staleness=max_staleness, overrides=overrides or [])
+    return run_demo(steps=steps, out=out, max_staleness=max_staleness, overrides=overrides or [])
 
 
 @app.command()

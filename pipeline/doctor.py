@@ -21,10 +21,10 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
-from pipeline.demo import DEMO_CONFIG, REPO_ROOT, ensure_tiny_model
+from pipeline.console import people_console
+from pipeline.demo import DEMO_CONFIG, demo_file_overrides, ensure_tiny_model
 from pipeline.doctor_checks import (
     Check,
     check_checkpoints,
@@ -39,7 +39,7 @@ from pipeline.errors import ArlError
 from pipeline.paths import RunPaths
 from schemas.config import ArlConfig
 
-console = Console()
+console = people_console()
 BACKENDS = ("sglang", "vllm", "hf")
 
 
@@ -139,9 +139,11 @@ def resolve_model(opts: DoctorOptions, workdir: Path) -> Path:
 
 
 def doctor_overrides(opts: DoctorOptions, model: Path, workdir: Path, trial: str) -> list[str]:
-    """examples/demo.yaml, made into the doctor's run; the user's own overrides come last and win."""
-    base = [f"fileroot={workdir}", "experiment_name=doctor", f"trial_name={trial}", f"num_steps={opts.steps}",
-            f"model.path={model}", f"inference.backend={opts.chosen_backend}", "trainer.weight_sync=nccl",
+    """examples/demo.yaml (its agent and data by absolute path, so any directory works), made into the doctor's
+    run; the user's own overrides come last and win."""
+    base = [*demo_file_overrides(), f"fileroot={workdir}", "experiment_name=doctor", f"trial_name={trial}",
+            f"num_steps={opts.steps}", f"model.path={model}", f"inference.backend={opts.chosen_backend}",
+            "trainer.weight_sync=nccl",
             f"trainer.keep_checkpoints={opts.steps}", "trainer.publish_timeout_s=300"]  # fmt: skip
     if opts.gpu:
         base += ["model.dtype=bfloat16", "inference.device=cuda", "trainer.device=cuda", "trainer.bf16=true",
@@ -161,7 +163,7 @@ def run_and_check(config: ArlConfig, paths: RunPaths, initial: Path, *, gpu: boo
     try:
         for plan in plan_run(config, paths.root):
             plan = replace(plan, argv=["env", *stage_gpus(plan.stage, config), *plan.argv]) if gpu else plan
-            running.append(start_stage(plan, paths, paths.next_attempt(plan.stage), workdir=REPO_ROOT))
+            running.append(start_stage(plan, paths, paths.next_attempt(plan.stage), workdir=Path.cwd()))
         code = supervise(running, paths, console)
         elapsed = time.monotonic() - started
         if code == 0:

@@ -1,0 +1,130 @@
+"""`arl demo` as a person runs it, through the CLI as a subprocess with its output piped (not a terminal).
+
+From an empty directory, it writes everything under that directory (`--out`, default `./runs`), prints
+absolute paths that exist, and shows one line per trained step while the run goes on. The second test
+does the same with arl installed from its wheel into a fresh venv (no repository anywhere on its path):
+the demo's config, agent and data must come with the package.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 2
+
+
+def _env() -> dict[str, str]:
+    drop = ("COLUMNS", "LINES", "FORCE_COLOR", "NO_COLOR", "TERM", "PYTHONPATH", "VIRTUAL_ENV")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def run_demo_piped(arl: list[str], cwd: Path, out: Path, *extra: str) -> tuple[list[str], float]:
+    """Run the demo with its stdout piped; check every step line arrived before the run's end (the reward
+    curve is drawn after the launcher exits). Returns the output lines and the wall time."""
+    started = time.monotonic()
+    proc = subprocess.Popen([*arl, "demo", "--steps", str(STEPS), *extra], cwd=cwd, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    lines, early = [], []
+    try:
+        for raw in proc.stdout or []:
+            line = raw.rstrip("\n")
+            lines.append(line)
+            if line.startswith("step "):
+                early.append(proc.poll() is None and not list(out.glob("demo/*/reward_curve.png")))
+        assert proc.wait(timeout=60) == 0, "\n".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "\n".join(lines)
+    steps = [line for line in lines if re.match(r"step \d+: reward .* -> weight version \d+", line)]
+    assert [s.split(":")[0] for s in steps] == [f"step {k}" for k in range(STEPS)], text
+    assert all(f"-> weight version {k + 1}" in s for k, s in enumerate(steps)), text
+    assert len(early) == STEPS and all(early), f"step lines came only at the end ({early}):\n{text}"
+    return lines, time.monotonic() - started
+
+
+def check_written_under(lines: list[str], cwd: Path, out: Path) -> Path:
+    """Every path the demo printed is absolute, exists, and lies under `out`; `cwd` holds nothing else."""
+    text = "\n".join(lines)
+    (run_dir,) = re.findall(r"^run dir: (\S+)$", text, flags=re.M)
+    (png,) = re.findall(r"^reward curve: (\S+)$", text, flags=re.M)
+    (inspect,) = re.findall(r"^  arl inspect (\S+) --step (\d+) --decode$", text, flags=re.M)
+    for path in (run_dir, png, inspect[0]):
+        assert Path(path).is_absolute() and Path(path).exists() and Path(path).is_relative_to(out), (path, text)
+    assert inspect == (run_dir, str(STEPS - 1))
+    assert sorted(p.name for p in cwd.iterdir()) == [out.name], list(cwd.iterdir())
+    assert (out / "tiny-model" / "config.json").exists()
+    assert len(list(Path(run_dir, "trajectories").glob("step_*"))) == STEPS
+    return Path(run_dir)
+
+
+@pytest.mark.slow
+def test_demo_from_another_directory_writes_there_and_shows_steps_as_they_happen(tmp_path: Path) -> None:
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    lines, _ = run_demo_piped([sys.executable, "-m", "pipeline.cli"], cwd, cwd / "results", "--out", "results")
+    check_written_under(lines, cwd, cwd / "results")
+
+
+def build_wheel(dest: Path) -> Path:
+    """The wheel of the working tree as it is (tracked and new files), built from a copy so no build
+    leftovers land in the checkout."""
+    src = dest / "src"
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, check=True).stdout.decode().split("\0")  # fmt: skip
+    for name in filter(None, listed):
+        origin, target = REPO / name, src / name
+        if not origin.exists() and not origin.is_symlink():
+            continue  # deleted in the work tree
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if origin.is_symlink():
+            target.symlink_to(os.readlink(origin))
+        else:
+            shutil.copy2(origin, target)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(dest / "dist"), str(src)], check=True, capture_output=True)  # fmt: skip
+    (wheel,) = (dest / "dist").glob("arl-*.whl")
+    return wheel
+
+
+def fresh_venv_with(wheel: Path, venv: Path) -> Path:
+    """A new venv with the CPU torch first (pinned: a resolver never swaps it for a CUDA build), then the
+    wheel and all its dependencies, resolved as a user's `pip install` would. Faster, hiding nothing: this
+    venv's pip drives the install (`--python`, so the new venv needs no pip of its own), pip's cache
+    serves what was downloaded before, and no bytecode is compiled ahead (Python compiles on import)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "--no-compile"]
+    torch = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"], capture_output=True,
+                           text=True, check=True).stdout.strip()  # fmt: skip
+    subprocess.run([*pip, f"torch=={torch}"], check=True, capture_output=True)
+    constraints = venv / "constraints.txt"
+    constraints.write_text(f"torch=={torch}\n")
+    result = subprocess.run([*pip, "-c", str(constraints), str(wheel)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return venv / "bin" / "arl"
+
+
+@pytest.mark.slow
+def test_demo_installed_from_the_wheel_runs_in_an_empty_directory(tmp_path: Path) -> None:
+    started = time.monotonic()
+    arl = fresh_venv_with(build_wheel(tmp_path), tmp_path / "venv")
+    installed_s = time.monotonic() - started
+    where = subprocess.run([str(arl.parent / "python"), "-c", "import pipeline; print(pipeline.__file__)"],
+                           cwd=tmp_path, capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert str(tmp_path / "venv") in where and str(REPO) not in where  # the installed package, not the checkout
+    cwd = tmp_path / "empty"
+    cwd.mkdir()
+    lines, demo_s = run_demo_piped([str(arl)], cwd, cwd / "runs")
+    run_dir = check_written_under(lines, cwd, cwd / "runs")
+    config = (run_dir / "config.yaml").read_text()
+    assert str(tmp_path / "venv") in config and str(REPO) not in config  # agent and data from the package
+    print(f"wheel built and installed in {installed_s:.0f}s; `arl demo --steps {STEPS}` took {demo_s:.0f}s")
