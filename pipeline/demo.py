@@ -149,8 +149,8 @@ def _watch_lines(child: subprocess.Popen[bytes], paths: RunPaths, log: Path) -> 
 
 
 def _progress_table(records: list[StepRecord], steps: int, elapsed: float) -> Table:
-    table = step_table(records[-8:] or [StepRecord(0)], console)
-    table.title = f"arl demo: steps 0-{steps - 1}, {elapsed:.0f}s elapsed"
+    table = step_table(records[-8:], console)
+    table.title = f"arl demo: steps 0-{steps - 1}, {elapsed:.0f}s elapsed" + ("" if records else ", starting")
     return table
 
 
