@@ -26,6 +26,9 @@ def score(reply: str, number: str) -> float:
 class DemoAgent:
     """`run` is all arl needs: it gets an OpenAI-compatible endpoint and returns a reward."""
 
+    required_fields = ("number",)
+    """Dataset fields `run` reads (optional; `arl check` and `arl launch` check the dataset has them)."""
+
     def __init__(self, max_tokens: int = 6, model: str = "arl-policy") -> None:
         self.max_tokens = max_tokens
         self.model = model

@@ -67,6 +67,8 @@ def run_tool_call(call: Any) -> tuple[str, bool]:
 
 
 class ToolAgent:
+    required_fields = ("question", "answer")
+
     def __init__(self, max_turns: int = 3, max_tokens: int = 48, model: str = "arl-policy") -> None:
         self.max_turns = max_turns
         self.max_tokens = max_tokens

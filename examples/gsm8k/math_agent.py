@@ -28,6 +28,8 @@ def final_number(text: str) -> str | None:
 
 
 class MathAgent:
+    required_fields = ("question", "answer")
+
     def __init__(self, max_tokens: int = 1024, model: str = "arl-policy") -> None:
         self.max_tokens = max_tokens
         self.model = model

@@ -142,9 +142,9 @@ def write_dry_run(plans: list[StagePlan], config: ArlConfig, paths: RunPaths, at
         write_text_atomic(path, render_sbatch(plan, config, paths, attempt=attempts[plan.stage], workdir=workdir,
                                               script_path=path))  # fmt: skip
         scripts.append(path)
-        console.rule(str(path))
+        console.print(f"# ---- {path}", markup=False, highlight=False)  # a rule would cut a long path short
         console.print(path.read_text(), markup=False, highlight=False, soft_wrap=True)
-    console.rule()
+    console.print("# ----", markup=False, highlight=False)
     console.print(f"dry run: nothing submitted, nothing written under fileroot; the scripts and the resolved config "
                   f"are in {out}")  # fmt: skip
     console.print(f"to submit by hand: the same arl launch command with --prepare instead of --dry-run creates the "
