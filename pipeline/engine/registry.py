@@ -67,7 +67,7 @@ def retire_entry(paths: RunPaths, name: str, entry: InferenceEntry, why: str) ->
 
 
 def retired_since(paths: RunPaths, started_at: dict[str, float]) -> set[str]:
-    """Of the servers `started_at` names (name -> start time), those retired in that life (`retire_older_attempts`)."""
+    """Of the servers `started_at` names (name -> start time), those retired in that life (`retire_entry`)."""
     out = set()
     for name, started in started_at.items():
         try:
