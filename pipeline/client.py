@@ -164,6 +164,9 @@ class RunnerSummary:
     failed: int = 0
     timeouts: int = 0
     rewards: list[float] = field(default_factory=list)
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    """Per-run agent metrics (a `(reward, {name: value})` return), by name. The proxy stage's shards do not
+    carry them: an external runner's metrics stay with the runner."""
     errors: list[str] = field(default_factory=list)
     """The tracebacks of failed runs (the last 20)."""
     duration_s: float = 0.0
@@ -180,7 +183,8 @@ class AgentRunner:
     """Run `agent_fn(session, data)` over a dataset against a proxy, `group_size` runs per item.
 
     `agent_fn` returns what a rollout agent returns: a number (the last completion's reward), a dict
-    `{interaction_id: reward}`, or None (reject the run). It may be sync (it then runs in a thread).
+    `{interaction_id: reward}`, None (reject the run), or a pair (either reward form, {metric: number}).
+    It may be sync (it then runs in a thread).
     """
 
     def __init__(self, proxy: str | Path, *, client_key: str, group_size: int = 1, max_concurrency: int = 8,
@@ -238,6 +242,8 @@ class AgentRunner:
         summary.finished += 1
         if outcome.reward is not None:
             summary.rewards.append(outcome.reward)
+        for name, value in outcome.metrics.items():
+            summary.metrics.setdefault(name, []).append(value)
 
 
 async def _call(agent_fn: AgentFn, session: AgentSession, data: dict[str, Any]) -> Any:

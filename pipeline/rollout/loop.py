@@ -14,6 +14,8 @@ prompts of a step depend only on k (see `pipeline.rollout.data`), so both are ex
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -175,10 +177,21 @@ async def run_session(ro: Rollout, step: int, prompt: Prompt, run_index: int, ta
         tally.add_error(report.error or "unknown error", timed_out=report.timed_out)
         return []
     rejected = report.outcome.rejected
-    samples = [row.at_step(step) for row in exported.rows]
+    metrics = report.outcome.metrics
+    samples = [with_agent_metrics(row, metrics).at_step(step) for row in exported.rows]
     tally.add_finished(rejected=rejected, num_interactions=exported.num_interactions,
-                       prefix_breaks=exported.prefix_breaks, samples=len(samples))  # fmt: skip
+                       prefix_breaks=exported.prefix_breaks, samples=len(samples), metrics=metrics)  # fmt: skip
     return [] if rejected else samples
+
+
+def with_agent_metrics(row: TrajectoryRow, metrics: dict[str, float]) -> TrajectoryRow:
+    """The row with the run's agent metrics under `metrics` in its metadata (each sample of the run carries
+    them, so a reader of one shard row sees what the agent measured)."""
+    if not metrics:
+        return row
+    metadata = json.loads(row.metadata)
+    metadata["metrics"] = metrics
+    return dataclasses.replace(row, metadata=json.dumps(metadata, sort_keys=True, default=str))
 
 
 async def admit_session(control: ProxyControl, group_id: str, metadata: dict[str, Any],

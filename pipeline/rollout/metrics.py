@@ -33,6 +33,8 @@ class StepTally:
     dropped_constant_samples: int = 0
     last_traceback: str | None = None
     weight_version: int = 0
+    agent_metrics: dict[str, list[float]] = field(default_factory=dict)
+    """Per-run metrics the agents returned (`(reward, {name: value})`), by name, of the runs not rejected."""
 
     def add_error(self, traceback_text: str, *, timed_out: bool) -> None:
         self.runs += 1
@@ -40,7 +42,8 @@ class StepTally:
         self.timeouts += int(timed_out)
         self.last_traceback = traceback_text
 
-    def add_finished(self, *, rejected: bool, num_interactions: int, prefix_breaks: int, samples: int) -> None:
+    def add_finished(self, *, rejected: bool, num_interactions: int, prefix_breaks: int, samples: int,
+                     metrics: dict[str, float] | None = None) -> None:  # fmt: skip
         self.runs += 1
         self.finished += 1
         self.prefix_breaks += prefix_breaks
@@ -50,6 +53,9 @@ class StepTally:
             self.empty += 1
         else:
             self.turns.append(num_interactions)
+        if not rejected:
+            for name, value in (metrics or {}).items():
+                self.agent_metrics.setdefault(name, []).append(value)
 
     @property
     def error_rate(self) -> float:
@@ -77,6 +83,7 @@ class StepTally:
             "runs_per_s": self.runs / elapsed, "duration_s": elapsed,
             "weight_version": self.weight_version,
             "staleness_hist": staleness_histogram(rows, self.step),
+            **{f"agent/{name}": _mean(values) for name, values in sorted(self.agent_metrics.items())},
         }  # fmt: skip
 
 

@@ -69,7 +69,7 @@ class SyncEnvAgent:
         first = client.chat.completions.create(model="arl-policy", messages=messages, tools=TOOLS, max_tokens=6)
         messages = tool_turn(messages, first.choices[0])
         second = client.chat.completions.create(model="arl-policy", messages=messages, tools=TOOLS, max_tokens=6)
-        return {first.id: 0.25, second.id: float(data["i"] % 2)}
+        return {first.id: 0.25, second.id: float(data["i"] % 2)}, {"odd": data["i"] % 2 == 1, "i": data["i"]}
 
 
 class AnthropicWorkflow:
@@ -220,6 +220,13 @@ async def test_subproc_sync_agent_with_env_and_dict_rewards(tmp_path: Path, tiny
         assert second["parent_id"] == first["sample_id"]
         assert second["reward"] == pytest.approx(index % 2)  # the dict return, by completion id
         assert first["reward"] == pytest.approx(0.25 + index % 2)  # own + discount 1.0 x child
+        # the pair return's agent metrics: in every sample of the run, and averaged in the step's metrics line
+        for row in session_rows:
+            assert json.loads(row["metadata"])["metrics"] == {"odd": float(index % 2), "i": float(index)}
+    metrics = read_jsonl(paths.rollout_metrics)[0]
+    indices = [json.loads(r["metadata"])["metrics"]["i"] for r in rows if r["parent_id"] is None]
+    assert metrics["agent/i"] == pytest.approx(sum(indices) / len(indices))
+    assert metrics["agent/odd"] == pytest.approx(sum(i % 2 for i in indices) / len(indices))
 
 
 async def test_anthropic_workflow_agent(tmp_path: Path, tiny_model_dir: Path, engine_url: str) -> None:

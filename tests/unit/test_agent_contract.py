@@ -152,6 +152,20 @@ def test_return_values() -> None:
     assert interpret_result({}).rewards == {}
 
 
+def test_a_pair_adds_agent_metrics_to_either_reward_form() -> None:
+    outcome = interpret_result((0.5, {"exact_correct": True, "digits": 2}))
+    assert outcome.reward == 0.5 and outcome.metrics == {"exact_correct": 1.0, "digits": 2.0}
+    outcome = interpret_result(({"chatcmpl-1": 1.0}, {"ok": 0.0}))
+    assert outcome.rewards == {"chatcmpl-1": 1.0} and outcome.metrics == {"ok": 0.0}
+
+
+@pytest.mark.parametrize("value", [(0.5,), (0.5, {}, 1), (None, {"a": 1}), (0.5, [1.0]), (0.5, {"a b": 1}),
+                                   (0.5, {"a": float("nan")}), (0.5, {"a": "1"}), ((0.5, {}), {})])  # fmt: skip
+def test_bad_pairs_are_errors(value: object) -> None:
+    with pytest.raises(AgentReturnError, match="agent"):
+        interpret_result(value)
+
+
 @pytest.mark.parametrize("value", ["1.0", [1.0], {"a": "x"}, {1: 1.0}, float("nan"), float("inf")])
 def test_wrong_return_types_are_errors(value: object) -> None:
     with pytest.raises(AgentReturnError, match="agent"):
