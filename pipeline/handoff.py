@@ -161,6 +161,18 @@ def _fsync_file(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
+POLL_FIRST_S = 0.005
+POLL_BACKOFF = 0.05
+"""A wait polls every 5 ms at first, then every 5% of the time it has waited so far, up to its `poll_s`: a
+handoff that comes quickly (a pipelined step, ~0.1-1 s) is seen within a few ms, a long wait costs few
+`stat` calls (the run dir may be on a shared filesystem, where another node's write is seen only by polling)."""
+
+
+def poll_delay(waited_s: float, poll_s: float) -> float:
+    """Seconds to sleep before the next check of a wait that began `waited_s` ago (see POLL_BACKOFF)."""
+    return min(poll_s, max(POLL_FIRST_S, waited_s * POLL_BACKOFF))
+
+
 def wait_for(
     check: Path | Callable[[], T | None],
     *,
@@ -175,7 +187,8 @@ def wait_for(
 
     On timeout raise `WaitTimeout` naming what was awaited, the upstream stage and its log.
     """
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
     while True:
         if isinstance(check, Path):
             if check.exists():
@@ -194,4 +207,4 @@ def wait_for(
             )
         if on_poll is not None:
             on_poll(deadline - now)
-        time.sleep(min(poll_s, max(deadline - now, 0.0)))
+        time.sleep(min(poll_delay(now - started, poll_s), max(deadline - now, 0.0)))

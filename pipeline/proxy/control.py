@@ -67,12 +67,14 @@ class ExportedSession:
     """No step assigned yet (`TrajectoryRow.step` is None)."""
     num_interactions: int
     prefix_breaks: int
+    first_call_s: float | None = None
+    """Seconds from the session's start to its first LLM call (the agent's start-up); None: no call."""
 
     def to_json(self) -> dict[str, Any]:
         """The `/export_trajectories` answer (rows in their wire form: every column but `step`)."""
         return {"session_id": self.session_id, "group_id": self.group_id,
                 "samples": [row.to_wire() for row in self.rows], "num_interactions": self.num_interactions,
-                "prefix_breaks": self.prefix_breaks}  # fmt: skip
+                "prefix_breaks": self.prefix_breaks, "first_call_s": self.first_call_s}  # fmt: skip
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ExportedSession:
@@ -80,7 +82,8 @@ class ExportedSession:
 
         return cls(str(data["session_id"]), str(data["group_id"]),
                    [TrajectoryRow.from_wire(sample) for sample in data["samples"]],
-                   int(data["num_interactions"]), int(data["prefix_breaks"]))  # fmt: skip
+                   int(data["num_interactions"]), int(data["prefix_breaks"]),
+                   _optional_float(data.get("first_call_s")))  # fmt: skip
 
 
 class ProxyControl(Protocol):
@@ -193,3 +196,7 @@ class SessionClient:
     async def end(self, status: str | None = None) -> None:
         """End the session; `status` ("failed", "rejected") travels as the `x-arl-run-status` header."""
         await _post(self.http, f"{self.url}/rl/end_session", self.session.api_key, {}, _status_header(status))
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)

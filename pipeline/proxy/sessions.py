@@ -106,6 +106,9 @@ class Session:
     tree: SessionTree
     created_at: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=time.monotonic)
+    first_call_s: float | None = None
+    """Seconds from the start to the first LLM call: the agent's start-up, shown in the step timeline."""
     ended: str | None = None  # why: "end_session", "finalize", "timeout", "exported"
     ended_at: float | None = None
     run_status: str = "ok"
@@ -134,6 +137,8 @@ class Session:
     @inflight.setter
     def inflight(self, value: int) -> None:
         self._inflight = value
+        if value > 0 and self.first_call_s is None:
+            self.first_call_s = time.monotonic() - self.started
         if value == 0 and self._idle is not None:
             self._idle.set()
             self._idle = None
@@ -309,7 +314,8 @@ class SessionStore:
             rows = session.tree.export(style, discount)
         except TrajectoryError as exc:
             raise ApiError(400, f"cannot export session {session.id}: {exc}") from None
-        exported = ExportedSession(session.id, session.tree.group_id, rows, len(session.tree), session.prefix_breaks)
+        exported = ExportedSession(session.id, session.tree.group_id, rows, len(session.tree), session.prefix_breaks,
+                                   session.first_call_s)  # fmt: skip
         self.remove(session.id, "exported")
         return exported
 

@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,14 +123,19 @@ def open_sink(ctx: StageContext) -> MetricsSink:
 async def produce_step(ro: Rollout, step: int) -> None:
     """One step, start to published (the table of contents of the rollout)."""
     cfg = ro.config.rollout
+    started = time.perf_counter()
     version = await wait_for_version(ro.paths, required_version(step, cfg.max_staleness),
                                      timeout_s=cfg.wait_timeout_s, engine_version=ro.engine.weight_version)  # fmt: skip
     tally = StepTally(step, weight_version=version)
+    tally.times["time_wait_weights_s"] = time.perf_counter() - started
     rows = await run_step_sessions(ro, step, ro.schedule.prompts(step), tally)
+    tally.times["time_runs_s"] = time.perf_counter() - started - tally.times["time_wait_weights_s"]
     rows = filter_rows(rows, step, ro.config, tally)
     check_error_rate(tally, cfg.max_error_rate, step)
+    written = time.perf_counter()
+    publish_step(ro, step, rows, tally)
     stats = tally.summary(rows)
-    publish_step(ro, step, rows, stats)
+    stats.update(time_write_s=time.perf_counter() - written, time_step_s=time.perf_counter() - started)
     ro.sink.log(step, stats)
     log.info("step %d published: %d samples, reward mean %s, %d errors, %d rejected, %d stale dropped",
              step, stats["samples"], _fmt(stats["reward_mean"]), tally.agent_errors, tally.rejected,
@@ -180,7 +186,8 @@ async def run_session(ro: Rollout, step: int, prompt: Prompt, run_index: int, ta
     metrics = report.outcome.metrics
     samples = [with_agent_metrics(row, metrics).at_step(step) for row in exported.rows]
     tally.add_finished(rejected=rejected, num_interactions=exported.num_interactions,
-                       prefix_breaks=exported.prefix_breaks, samples=len(samples), metrics=metrics)  # fmt: skip
+                       prefix_breaks=exported.prefix_breaks, samples=len(samples), metrics=metrics,
+                       first_call_s=exported.first_call_s)  # fmt: skip
     return [] if rejected else samples
 
 
@@ -276,11 +283,12 @@ def check_error_rate(tally: StepTally, max_rate: float, step: int) -> None:
         )
 
 
-def publish_step(ro: Rollout, step: int, rows: list[TrajectoryRow], stats: dict[str, Any]) -> None:
+def publish_step(ro: Rollout, step: int, rows: list[TrajectoryRow], tally: StepTally) -> None:
+    """Shards and manifest (its `extra`: the step's statistics so far), then the dataset cursor."""
     from pipeline.shards import write_step
 
     rows.sort(key=sort_key)  # stable file order
-    write_step(ro.paths, step, rows, producer="rollout", tokenizer=ro.tokenizer, extra=stats)
+    write_step(ro.paths, step, rows, producer="rollout", tokenizer=ro.tokenizer, extra=tally.summary(rows))
     write_cursor(ro.paths.rollout_state, ro.schedule, step, ro.config.rollout.dataset.path)
 
 

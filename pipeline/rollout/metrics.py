@@ -33,6 +33,10 @@ class StepTally:
     dropped_constant_samples: int = 0
     last_traceback: str | None = None
     weight_version: int = 0
+    first_calls: list[float] = field(default_factory=list)
+    """Per run: seconds from its session's start to its first LLM call (the agent's start-up)."""
+    times: dict[str, float] = field(default_factory=dict)
+    """The step's timeline so far (`time_*_s`: waiting for weights, the runs), set by the rollout loop."""
     agent_metrics: dict[str, list[float]] = field(default_factory=dict)
     """Per-run metrics the agents returned (`(reward, {name: value})`), by name, of the runs not rejected."""
 
@@ -43,8 +47,10 @@ class StepTally:
         self.last_traceback = traceback_text
 
     def add_finished(self, *, rejected: bool, num_interactions: int, prefix_breaks: int, samples: int,
-                     metrics: dict[str, float] | None = None) -> None:  # fmt: skip
+                     metrics: dict[str, float] | None = None, first_call_s: float | None = None) -> None:  # fmt: skip
         self.runs += 1
+        if first_call_s is not None:
+            self.first_calls.append(first_call_s)
         self.finished += 1
         self.prefix_breaks += prefix_breaks
         if rejected:
@@ -83,6 +89,7 @@ class StepTally:
             "runs_per_s": self.runs / elapsed, "duration_s": elapsed,
             "weight_version": self.weight_version,
             "staleness_hist": staleness_histogram(rows, self.step),
+            "time_agent_start_s": _mean(self.first_calls), **self.times,
             **{f"agent/{name}": _mean(values) for name, values in sorted(self.agent_metrics.items())},
         }  # fmt: skip
 

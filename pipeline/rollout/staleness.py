@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 
 from pipeline.engine.client import EngineError
 from pipeline.errors import WaitTimeout
+from pipeline.handoff import poll_delay
 from pipeline.paths import RunPaths
 from pipeline.weight_version import published_version
 from schemas.trajectory import TrajectoryRow
@@ -44,7 +45,8 @@ async def wait_for_version(
     On timeout raise `WaitTimeout` naming state/weight_version.json, the trainer stage and its log, and
     the servers' last error.
     """
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
     last_note = 0.0
     file_version = engine = -1
     unreachable = ""
@@ -65,7 +67,7 @@ async def wait_for_version(
             log.info("%s waits for weight version >= %d (published: %d)%s", what, needed, file_version,
                      f"; the servers: {unreachable}" if unreachable else "")  # fmt: skip
             last_note = now
-        await asyncio.sleep(min(poll_s, max(deadline - now, 0.0)))
+        await asyncio.sleep(min(poll_delay(now - started, poll_s), max(deadline - now, 0.0)))
     engines = f"; the engine servers report version {engine}" if engine >= 0 else ""
     engines += f"; the engine servers did not answer: {unreachable}" if unreachable else ""
     raise WaitTimeout(

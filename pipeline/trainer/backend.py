@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +43,8 @@ class TrainBackend(Protocol):
     world_size: int
     num_params: int
     """Parameters of the policy (for MFU: 6 * N * tokens FLOPs per update)."""
+    layout: Literal["packed", "padded"]
+    """The micro-batch layout the backend's forward takes (`pipeline.trainer.packing`)."""
 
     def load(self, weights: Path, state: Path | None) -> None:
         """Load HF-layout weights (one version) and, when given, the optimizer/scheduler state saved with

@@ -127,12 +127,15 @@ class Trainer:
                  upstream=self.upstream, log=self.paths.latest_log(self.upstream),
                  timeout_s=self.cfg.wait_timeout_s)  # fmt: skip
         timings.wait_s = time.perf_counter() - t0
-        return load_step(self.paths, step, self.config.rollout.max_staleness)
+        data = load_step(self.paths, step, self.config.rollout.max_staleness)
+        timings.load_s = time.perf_counter() - t0 - timings.wait_s
+        return data
 
     def plan(self, data: StepData, advantages: np.ndarray, step: int) -> list[list[MicroBatch]]:
         return plan_step(data.samples, advantages, minibatches=self.cfg.minibatches, budget=self.cfg.micro_batch_tokens,
                          agg=self.cfg.algorithm.loss_agg, seed=self.cfg.seed, step=step,
-                         rank=self.backend.rank, world_size=self.backend.world_size)  # fmt: skip
+                         rank=self.backend.rank, world_size=self.backend.world_size,
+                         layout=self.backend.layout)  # fmt: skip
 
     def update(self, plan: list[list[MicroBatch]], timings: Timings) -> list[MinibatchStats]:
         """Proximal / reference log-probs with the weights of this version, then one update per minibatch."""

@@ -6,7 +6,8 @@ they become means here, so a metric never depends on how samples were packed or 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -41,7 +42,12 @@ def peak_flops(device: torch.device) -> float | None:
 
 @dataclass
 class Timings:
+    """The trainer's half of a step's timeline (docs/operations.md, "Step timeline")."""
+
+    started: float = field(default_factory=time.perf_counter)
     wait_s: float = 0.0
+    load_s: float = 0.0
+    """Reading and checking the step's shards."""
     compute_s: float = 0.0
     """Proximal/reference log-probs plus the updates."""
     checkpoint_s: float = 0.0
@@ -55,9 +61,10 @@ class Timings:
 
 
 def publish_figures(timings: Timings) -> dict[str, float]:
-    """The publication's part of a step's metrics row."""
+    """The publication's part of a step's metrics row, and the step's wall time (it ends with the publication)."""
     return {"time_publish_s": timings.publish_s, "weight_sync_s": timings.weight_sync_s,
-            "verify_s": timings.verify_s, "servers_recovered": timings.servers_recovered}  # fmt: skip
+            "verify_s": timings.verify_s, "servers_recovered": timings.servers_recovered,
+            "time_step_s": time.perf_counter() - timings.started}  # fmt: skip
 
 
 def step_metrics(
@@ -106,6 +113,7 @@ def step_metrics(
         "trained_tokens": int(trained),
         "tokens_per_s": tokens / timings.compute_s if timings.compute_s > 0 else 0.0,
         "time_wait_s": timings.wait_s,
+        "time_load_s": timings.load_s,
         "time_compute_s": timings.compute_s,
         "time_checkpoint_s": timings.checkpoint_s,
         **publish_figures(timings),

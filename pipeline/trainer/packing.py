@@ -1,10 +1,21 @@
-"""Token-budget micro-batches with sequence packing, and the step's minibatch plan.
+"""Token-budget micro-batches, packed or padded, and the step's minibatch plan.
 
-A micro-batch is ONE row of concatenated samples (batch size 1, no padding at all). Samples are kept
-independent by position ids that restart at 0 for each sample: transformers (>= 4.56, 5.x) derives
-a block-diagonal causal mask from such position ids when no attention mask is passed (sdpa / eager /
-flex build a packed mask; flash-attention-2 uses the varlen kernel with cu_seqlens), so a packed
-forward pass equals running each sample alone (tested within 1e-5 in fp32).
+Two layouts (`trainer.packing`), chosen by the attention kernel:
+
+* `packed`: ONE row of concatenated samples (batch size 1, no padding at all). Samples are kept
+  independent by position ids that restart at 0 for each sample: transformers (>= 4.56, 5.x) derives
+  a block-diagonal causal mask from such position ids when no attention mask is passed (sdpa / eager /
+  flex build a packed mask; flash-attention-2 uses the varlen kernel with cu_seqlens), so a packed
+  forward pass equals running each sample alone (tested within 1e-5 in fp32). Only the varlen kernel
+  skips the masked blocks: sdpa computes the whole T×T mask, so a row of 64 short samples costs ~64× the
+  attention of the samples alone.
+* `padded`: a [rows, longest] batch of right-padded samples, sorted by length so that padding is
+  small. Position ids are 0..L-1 in every row and no attention mask is passed: a right pad comes after
+  every real token, so causal attention already hides it, and sdpa takes its fused causal path.
+  Padding positions get mask 0 and are never trained.
+
+Per-token tensors (targets, mask, weights, ...) are flat: the row for `packed`, the rows one after the
+other for `padded`, so the loss code is the same for both.
 
 Alignment: position p of a sample holds the prediction of token p+1, so every per-token tensor is
 shifted by one (`targets[p] = input_ids[p+1]`, `mask[p] = loss_mask[p+1]`); the last position of each
@@ -44,11 +55,12 @@ class MicroBatch:
     sample_index: list[int]
     """Indices (into the step's samples) of the packed samples, in row order."""
     lengths: list[int]
-    """Their lengths (sum = T)."""
+    """Their lengths (packed: sum = T; padded: row i holds lengths[i] real tokens)."""
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids.shape[1])
+        """Real tokens (padding not counted)."""
+        return sum(self.lengths)
 
     def to(self, device: torch.device) -> MicroBatch:
         t = self.tokens
@@ -84,6 +96,21 @@ def pack_first_fit(lengths: Sequence[int], budget: int) -> list[list[int]]:
             bins.append([i])
             room.append(budget - n)
     return bins
+
+
+def pad_by_length(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Batches of sample indices for the padded layout: sorted by length (longest first), each batch as many
+    samples as fit `rows × its longest <= budget` (at least one). Deterministic (ties keep input order)."""
+    if budget < 1:
+        raise ValueError(f"token budget must be >= 1, got {budget}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
 
 
 def sample_weights(samples: Sequence[Sample], members: Sequence[int], agg: Literal["token", "sequence"]) -> np.ndarray:
@@ -129,6 +156,40 @@ def build_micro_batch(
     )
 
 
+def build_padded_micro_batch(
+    samples: Sequence[Sample], members: Sequence[int], advantages: np.ndarray, weights: dict[int, float]
+) -> MicroBatch:
+    """`members` as right-padded rows of one [rows, longest] batch; per-token tensors flattened row by row."""
+    width = max(len(samples[i].input_ids) for i in members)
+    rows = len(members)
+    ids = np.zeros((rows, width), dtype=np.int64)
+    tgt = np.zeros((rows, width), dtype=np.int64)
+    mask = np.zeros((rows, width), dtype=np.float32)
+    behav = np.zeros((rows, width), dtype=np.float32)
+    w = np.zeros((rows, width), dtype=np.float32)
+    adv = np.zeros((rows, width), dtype=np.float32)
+    for r, i in enumerate(members):
+        s = samples[i]
+        n = len(s.input_ids)
+        ids[r, :n] = s.input_ids
+        tgt[r, : n - 1] = s.input_ids[1:]
+        mask[r, : n - 1] = s.loss_mask[1:]
+        behav[r, : n - 1] = s.logprobs[1:]
+        w[r] = mask[r] * weights[i]
+        adv[r] = mask[r] * advantages[i]
+    tokens = TokenBatch(mask=torch.from_numpy(mask.ravel()), weights=torch.from_numpy(w.ravel()),
+                        advantages=torch.from_numpy(adv.ravel()),
+                        behav_logp=torch.from_numpy((behav * mask).ravel()))  # fmt: skip
+    return MicroBatch(
+        input_ids=torch.from_numpy(ids),
+        position_ids=torch.arange(width, dtype=torch.int64).expand(rows, width).contiguous(),
+        targets=torch.from_numpy(tgt.ravel()),
+        tokens=tokens,
+        sample_index=list(members),
+        lengths=[len(samples[i].input_ids) for i in members],
+    )
+
+
 def empty_micro_batch() -> MicroBatch:
     """A one-token row with zero weight: keeps data-parallel ranks in lock-step when one has less work."""
     zero = torch.zeros(1)
@@ -159,16 +220,20 @@ def plan_step(
     step: int,
     rank: int = 0,
     world_size: int = 1,
+    layout: Literal["packed", "padded"] = "packed",
 ) -> list[list[MicroBatch]]:
-    """For each minibatch, this rank's packed micro-batches (every rank gets the same count)."""
+    """For each minibatch, this rank's micro-batches in `layout` (every rank gets the same count)."""
+    padded = layout == "padded"
+    group = pad_by_length if padded else pack_first_fit
+    build = build_padded_micro_batch if padded else build_micro_batch
     plan: list[list[MicroBatch]] = []
     for members in split_minibatches(len(samples), minibatches, seed, step):
         per_sample = dict(zip(members, sample_weights(samples, members, agg).tolist(), strict=True))
-        bins = pack_first_fit([len(samples[i].input_ids) for i in members], budget)
+        bins = group([len(samples[i].input_ids) for i in members], budget)
         rows = [[members[j] for j in b] for b in bins]
         mine = rows[rank::world_size]
         per_rank = -(-len(rows) // world_size)
-        micro = [build_micro_batch(samples, r, advantages, per_sample) for r in mine]
+        micro = [build(samples, r, advantages, per_sample) for r in mine]
         micro += [empty_micro_batch() for _ in range(per_rank - len(micro))]
         plan.append(micro)
     return plan

@@ -15,7 +15,7 @@ import contextlib
 import logging
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -30,6 +30,14 @@ from schemas.config import ArlConfig
 log = logging.getLogger("arl.trainer")
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
+
+
+def micro_batch_layout(packing: str, attn: str) -> Literal["packed", "padded"]:
+    """`trainer.packing` resolved: `auto` packs only for a varlen kernel (flash-attention), which skips the
+    blocks between packed samples; sdpa would compute them all (see pipeline/trainer/packing.py)."""
+    if packing == "auto":
+        return "packed" if attn.startswith("flash") else "padded"
+    return "padded" if packing == "padded" else "packed"
 
 
 def attn_implementation(device: torch.device) -> str:
@@ -51,6 +59,7 @@ class TorchBackend:
         self.dist = fsdp.init_distributed(config.trainer.device)
         self.rank, self.world_size, self.device = self.dist.rank, self.dist.world_size, self.dist.device
         self.autocast = self.device.type == "cuda" and config.trainer.bf16
+        self.layout = micro_batch_layout(config.trainer.packing, attn_implementation(self.device))
         self.save_dtype = getattr(torch, config.model.dtype)
         self.model: Any = None
         self.reference: Any = None
@@ -106,7 +115,7 @@ class TorchBackend:
         ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
         with ctx:
             out = model(input_ids=micro.input_ids, position_ids=micro.position_ids, use_cache=False)
-        logits = out.logits[0]
+        logits = out.logits.reshape(-1, out.logits.shape[-1])  # [T, V]: one packed row, or padded rows flattened
         return logits if self.logit_scale == 1.0 else logits * self.logit_scale
 
     @torch.no_grad()

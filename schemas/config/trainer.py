@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
 
-from schemas.config.base import Block
+from schemas.config.base import UNSUPPORTED, Block
 
 
 class AlgorithmConfig(Block):
@@ -74,7 +75,12 @@ class TrainerConfig(Block):
     minibatches: int = Field(1, ge=1)
     """Optimizer updates per step (the step's samples are split into this many minibatches)."""
     micro_batch_tokens: int = Field(16384, ge=64)
-    """Token budget of one packed micro-batch (samples are packed into rows up to this many tokens)."""
+    """Token budget of one micro-batch (packed: one row of up to this many tokens; padded: rows × longest)."""
+    packing: Literal["auto", "packed", "padded"] = "auto"
+    """Micro-batch layout: `packed` = samples concatenated in one row (no padding; cheap only with a varlen
+    attention kernel, flash-attention-2), `padded` = right-padded rows sorted by length (sdpa's fused causal
+    path; the fast choice on CPU and without flash-attn), `auto` = packed with flash-attention-2, else padded.
+    The megatron backend always packs."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     weight_sync: Literal["disk", "nccl"] = "disk"
@@ -102,3 +108,14 @@ class TrainerConfig(Block):
     """Deterministic algorithms and fixed seeds (bitwise-reproducible resume on CPU)."""
     seed: int = 0
     """Seed of the trainer's RNGs."""
+
+    @model_validator(mode="after")
+    def _megatron_packs(self) -> TrainerConfig:
+        if self.backend == "megatron" and self.packing == "padded":
+            raise PydanticCustomError(
+                UNSUPPORTED,
+                "trainer.packing=padded needs trainer.backend=torch: the megatron backend packs its rows (its "
+                "attention reads the per-sample boundaries); use packing=auto or packed",
+                {},
+            )
+        return self

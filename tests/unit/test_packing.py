@@ -11,7 +11,14 @@ import torch
 
 from pipeline.trainer.data import rows_to_samples
 from pipeline.trainer.losses import gather_logprobs, policy_loss
-from pipeline.trainer.packing import build_micro_batch, pack_first_fit, plan_step, sample_weights
+from pipeline.trainer.packing import (
+    build_micro_batch,
+    build_padded_micro_batch,
+    pack_first_fit,
+    pad_by_length,
+    plan_step,
+    sample_weights,
+)
 from pipeline.trainer.synthetic import add_behaviour_logprobs, synthetic_rows
 from schemas.config.trainer import AlgorithmConfig
 
@@ -68,8 +75,8 @@ def test_packed_row_equals_samples_alone(tiny_model_dir: Path) -> None:
         model.zero_grad(set_to_none=True)
         logps, total = [], 0.0
         for micro in micro_batches:
-            logits = model(input_ids=micro.input_ids, position_ids=micro.position_ids, use_cache=False).logits[0]
-            logp = gather_logprobs(logits, micro.targets)
+            logits = model(input_ids=micro.input_ids, position_ids=micro.position_ids, use_cache=False).logits
+            logp = gather_logprobs(logits.reshape(-1, logits.shape[-1]), micro.targets)
             out = policy_loss(logp, None, micro.tokens, algo)
             out.loss.backward()
             total += float(out.loss.detach())
@@ -85,9 +92,46 @@ def test_packed_row_equals_samples_alone(tiny_model_dir: Path) -> None:
     assert loss_packed == pytest.approx(loss_alone, abs=1e-6)
     for a, b in zip(g_packed, g_alone, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+    # Padded rows (two batches, so the budget split is exercised): the same log-probs, loss and gradients.
+    padded = [build_padded_micro_batch(samples, members[:4], adv, weights),
+              build_padded_micro_batch(samples, members[4:], adv, weights)]  # fmt: skip
+    lp_padded, loss_padded, g_padded = loss_and_grads(padded)
+    assert loss_padded == pytest.approx(loss_alone, abs=1e-6)
+    for a, b in zip(g_padded, g_alone, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+    real = torch.cat([unpad(m, lp) for m, lp in zip(padded, lp_padded.split([m.targets.numel() for m in padded]),
+                                                    strict=True)])  # fmt: skip
+    assert (real - lp_alone).abs().max().item() < 1e-5
     # Behaviour log-probs from one-at-a-time teacher forcing match the packed forward, too.
     behav = torch.cat([m.tokens.behav_logp for m in alone])
     assert (lp_packed - behav).abs().max().item() < 1e-5
+
+
+def unpad(micro, flat: torch.Tensor) -> torch.Tensor:
+    """A padded micro-batch's per-token values without the padding, samples in row order."""
+    rows = flat.reshape(len(micro.lengths), -1)
+    return torch.cat([rows[r, :n] for r, n in enumerate(micro.lengths)])
+
+
+def test_padded_batches_respect_the_budget_sorted_by_length() -> None:
+    lengths = [5, 17, 9, 30, 1, 12, 12, 40, 3]
+    batches = pad_by_length(lengths, 48)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) * max(lengths[i] for i in b) <= 48 or len(b) == 1
+    assert batches == [[7], [3], [1, 5], [6, 2, 0, 8], [4]]  # longest first (4 x 12 = 48 fits); ties in order
+    micro = build_padded_micro_batch(_samples([3, 9]), [0, 1], np.zeros(6), {0: 1.0, 1: 1.0})
+    assert micro.input_ids.shape == (2, max(micro.lengths)) and micro.num_tokens == sum(micro.lengths)
+    assert micro.tokens.mask.reshape(2, -1)[0, micro.lengths[0] - 1 :].sum() == 0  # no loss on padding
+
+
+def test_plan_layouts_cover_the_same_samples_with_the_same_weight() -> None:
+    samples = _samples([3, 9, 5, 14, 7])
+    adv = np.linspace(-1, 1, len(samples))
+    for layout in ("packed", "padded"):
+        (plan,) = plan_step(samples, adv, minibatches=1, budget=64, agg="token", seed=0, step=0, layout=layout)
+        assert sorted(i for m in plan for i in m.sample_index) == list(range(len(samples)))
+        assert sum(float(m.tokens.weights.sum()) for m in plan) == pytest.approx(1.0, abs=1e-6)
 
 
 def test_packing_without_position_ids_would_leak_across_samples(tiny_model_dir: Path) -> None:

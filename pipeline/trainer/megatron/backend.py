@@ -27,7 +27,7 @@ import json
 import logging
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -57,6 +57,7 @@ class MegatronBackend:
         mc = config.trainer.megatron
         self.topo = parallel.init(mc.tp, mc.pp, config.trainer.device, config.trainer.seed)
         self.rank, self.world_size, self.device = self.topo.rank, self.topo.world_size, self.topo.device
+        self.layout: Literal["packed", "padded"] = "packed"  # its attention reads per-sample boundaries
         cuda = self.device.type == "cuda"
         if mc.sequence_parallel and not cuda:
             raise ValueError("trainer.megatron.sequence_parallel needs CUDA (gloo has no reduce-scatter); "
