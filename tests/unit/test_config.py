@@ -216,5 +216,5 @@ def test_metrics_wandb_mistakes_name_the_key_and_the_choices(tmp_path: Path) -> 
 
 def test_padded_micro_batches_need_the_torch_backend() -> None:
     assert validate_config({"trainer": {"packing": "padded"}}).trainer.packing == "padded"
-    with pytest.raises(ConfigError, match="trainer.packing=padded needs trainer.backend=torch"):
+    with pytest.raises(ConfigError, match=r"trainer\.packing=padded needs trainer\.backend=torch"):
         validate_config({"trainer": {"backend": "megatron", "packing": "padded"}})
