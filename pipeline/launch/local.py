@@ -67,6 +67,13 @@ def run_local(plans: list[StagePlan], paths: RunPaths, attempts: dict[str, int],
             stop_stages(running, paths, grace_s=grace_s)
 
 
+def stage_threads(plan: StagePlan) -> dict[str, str]:
+    """OpenMP threads of a local stage = its `cpus_per_task`, as a Slurm allocation would give it (unless the
+    user's environment sets them). Why: every stage's torch would otherwise start one busy-waiting thread per
+    core of the machine, and three stages on a laptop then spin against each other for the same cores."""
+    return {"OMP_NUM_THREADS": str(plan.resources.cpus_per_task)}
+
+
 def start_stage(plan: StagePlan, paths: RunPaths, attempt: int, *, workdir: Path) -> Running:
     log = paths.stage_log(plan.stage, attempt)
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -74,7 +81,7 @@ def start_stage(plan: StagePlan, paths: RunPaths, attempt: int, *, workdir: Path
     handle.write(f"arl: stage {plan.stage} attempt {attempt} on {socket.gethostname()} at "
                  f"{time.strftime('%Y-%m-%dT%H:%M:%S')}: {shlex.join(plan.argv)}\n".encode())  # fmt: skip
     handle.flush()
-    env = {**os.environ, **plan.env, "ARL_RUN_DIR": str(paths.root), "ARL_STAGE": plan.stage,
+    env = {**stage_threads(plan), **os.environ, **plan.env, "ARL_RUN_DIR": str(paths.root), "ARL_STAGE": plan.stage,
            "ARL_ATTEMPT": str(attempt), "ARL_EXECUTOR": "local", "PYTHONUNBUFFERED": "1"}  # fmt: skip
     proc = subprocess.Popen(plan.argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             cwd=workdir, env=env, start_new_session=True)  # fmt: skip
