@@ -23,6 +23,7 @@ from pipeline.launch.jobs import JobRecord, latest, read_jobs, update_record
 from pipeline.launch.state import JobState, pid_is_ours, record_states, unhealthy_nodes
 from pipeline.paths import RunPaths
 from pipeline.run_progress import records_of, step_table
+from pipeline.timeline import timeline_lines
 from pipeline.weight_version import published_version
 
 RECENT_STEPS = 5
@@ -51,6 +52,12 @@ def show_status(run_dir: str | Path, *, console: Console | None = None) -> int:
     if recent:
         console.print(f"last {len(recent)} steps (step k is trained into weight version k+1):")
         console.print(step_table(recent, console))
+        trained = [r for r in recent if r.trained]
+        lines = timeline_lines(trained[-1]) if trained else []
+        if lines:
+            console.print(f"step {trained[-1].step} timeline, seconds (docs/operations.md, \"Step timeline\"):")
+            for line in lines:
+                console.print(line, markup=False, highlight=False, soft_wrap=True)
     dead = died(newest, states)
     for record in dead:
         for line in death_report(record, states[(record.stage, record.attempt)], paths):

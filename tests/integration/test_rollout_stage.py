@@ -227,6 +227,10 @@ async def test_subproc_sync_agent_with_env_and_dict_rewards(tmp_path: Path, tiny
     indices = [json.loads(r["metadata"])["metrics"]["i"] for r in rows if r["parent_id"] is None]
     assert metrics["agent/i"] == pytest.approx(sum(indices) / len(indices))
     assert metrics["agent/odd"] == pytest.approx(sum(i % 2 for i in indices) / len(indices))
+    # the rollout's half of the step timeline (subproc workers: start-up includes handing the run to a worker)
+    parts = ["time_wait_weights_s", "time_runs_s", "time_write_s"]
+    assert all(metrics[k] >= 0 for k in parts) and sum(metrics[k] for k in parts) <= metrics["time_step_s"]
+    assert 0 < metrics["time_agent_start_s"] < metrics["time_runs_s"]
 
 
 async def test_anthropic_workflow_agent(tmp_path: Path, tiny_model_dir: Path, engine_url: str) -> None:
