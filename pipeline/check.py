@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -32,9 +33,10 @@ from schemas.config import ArlConfig
 
 def run_checks(config: ArlConfig, *, executor: str, submit: bool) -> list[Outcome]:
     """Every check that applies; `submit`: jobs will really be queued (a dry run reads Slurm only if it is here)."""
+    tokenizers: dict[str, Any] = {}  # loaded once, by the model check, for the template check
     checks: list[tuple[str, Callable[[], Outcome]]] = [
-        ("model and tokenizer", lambda: check_model(config)),
-        ("chat template", lambda: check_template(config)),
+        ("model and tokenizer", lambda: check_model(config, tokenizers)),
+        ("chat template", lambda: check_template(config, tokenizers)),
         ("agent and dataset", lambda: check_agent_and_data(config)),
         ("inference engine", lambda: check_engine(config, executor)),
         ("slurm resources", lambda: check_slurm(config, executor=executor, submit=submit)),

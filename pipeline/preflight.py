@@ -56,14 +56,14 @@ class PreflightError(ArlError):
         super().__init__("\nerror: ".join(str(p) for p in problems))
 
 
-def check_model(config: ArlConfig) -> Outcome:
+def check_model(config: ArlConfig, loaded: dict[str, Any] | None = None) -> Outcome:
     model = config.model
     path = Path(model.path)
     if not (path / "config.json").is_file():
         why = "no such directory" if not path.exists() else "no config.json in it (not a Hugging Face model dir)"
         return _fail("model.path", model.path, f"{why} (relative paths start at {Path.cwd()}); point it at a "
                      "Hugging Face model directory on a shared file system")  # fmt: skip
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     try:
         hf_config = AutoConfig.from_pretrained(str(path))
@@ -71,7 +71,7 @@ def check_model(config: ArlConfig) -> Outcome:
         return Outcome("", problems=[Problem("model.path", model.path, f"config.json does not load: {_first(exc)}")])
     tokenizer_path = model.tokenizer or model.path
     try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        tokenizer = _tokenizer(tokenizer_path, loaded)
     except Exception as exc:
         key = "model.tokenizer" if model.tokenizer else "model.path"
         return Outcome("", problems=[Problem(key, tokenizer_path, f"the tokenizer does not load: {_first(exc)}; "
@@ -79,7 +79,7 @@ def check_model(config: ArlConfig) -> Outcome:
     return Outcome("", detail=f"{type(hf_config).__name__.removesuffix('Config')}, vocabulary {len(tokenizer)}")
 
 
-def check_template(config: ArlConfig) -> Outcome:
+def check_template(config: ArlConfig, loaded: dict[str, Any] | None = None) -> Outcome:
     """The proxy's own tokenizer, built as the proxy builds it, extends a first turn's tokens by the reply and a
     second user message (never re-tokenizing history); the tokens must decode to exactly the template's render."""
     model = config.model
@@ -89,7 +89,8 @@ def check_template(config: ArlConfig) -> Outcome:
 
     key, value = ("model.chat_template", model.chat_template) if model.chat_template else ("model.path", model.path)
     try:
-        chat = ChatTokenizer(model.tokenizer or model.path, model.chat_template, model_dir=model.path)
+        path = model.tokenizer or model.path
+        chat = ChatTokenizer(path, model.chat_template, model_dir=model.path, loaded=_tokenizer(path, loaded))
         first = [{"role": "user", "content": "What is 2 + 2?"}]
         messages = [*first, {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3 + 3?"}]
         output = _sampled(chat, "4")
@@ -108,6 +109,18 @@ def check_template(config: ArlConfig) -> Outcome:
                      "conversation: capture would not be token-exact")  # fmt: skip
     fast = "turn-local" if chat.turn_local else "full renders"
     return Outcome("", detail=f"token-exact over two turns ({fast}, {len(tokens)} tokens)")
+
+
+def _tokenizer(path: str, loaded: dict[str, Any] | None) -> Any:
+    """The tokenizer at `path`; `loaded` (one `run_checks` call's) keeps it for the next check that needs it."""
+    if loaded is not None and path in loaded:
+        return loaded[path]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if loaded is not None:
+        loaded[path] = tokenizer
+    return tokenizer
 
 
 def _sampled(chat: Any, text: str) -> list[int]:

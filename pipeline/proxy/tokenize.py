@@ -68,13 +68,15 @@ class ChatTokenizer:
     """A tokenizer + chat template with the token-exact extension logic of the module docstring."""
 
     def __init__(
-        self, tokenizer_path: str | Path, chat_template: str | Path | None = None, model_dir: str | Path | None = None
-    ) -> None:
+        self, tokenizer_path: str | Path, chat_template: str | Path | None = None, model_dir: str | Path | None = None,
+        *, loaded: Any = None,
+    ) -> None:  # fmt: skip
+        """`loaded`: the tokenizer at `tokenizer_path` already loaded by `AutoTokenizer` (not loaded again)."""
         from transformers import AutoTokenizer
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
         self.path = str(tokenizer_path)
-        self.hf = AutoTokenizer.from_pretrained(self.path)
+        self.hf = loaded if loaded is not None else AutoTokenizer.from_pretrained(self.path)
         text = Path(chat_template).read_text(encoding="utf-8") if chat_template else self.hf.chat_template
         if not isinstance(text, str) or not text:
             raise ValueError(f"tokenizer at {self.path} has no chat template: set model.chat_template to a .jinja file")
