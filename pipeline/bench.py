@@ -155,5 +155,7 @@ def _existing_sections(path: Path) -> dict[str, str]:
 
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
+        if value != 0 and abs(value) < 0.01:
+            return f"{value:.3g}"  # a tolerance or a log-prob difference, not a zero
         return f"{value:,.3f}" if abs(value) < 100 else f"{value:,.0f}"
     return str(value)

@@ -47,3 +47,9 @@ def test_each_section_names_the_machine_of_its_own_run(tmp_path: Path) -> None:
     assert "measured on " in beta and "Old Xeon" not in beta
     write_results([_result("beta", figures={"v": 4.0})], [], out)  # a second partial run changes nothing else
     assert out.read_text().count("measured on Old Xeon") == 1
+
+
+def test_small_figures_keep_their_digits() -> None:
+    from pipeline.bench import _fmt
+
+    assert _fmt(9.5e-7) == "9.5e-07" and _fmt(0.0) == "0.000" and _fmt(0.25) == "0.250" and _fmt(1234.5) == "1,234"
