@@ -13,7 +13,8 @@ test:
 test-fast: install
 	.venv/bin/python -m pytest -m "not slow and not slurm and not vllm" -x -q
 
-bench: install
+bench:
+	scripts/install.sh dev,bench
 	.venv/bin/arl bench
 
 lint: install
