@@ -47,6 +47,8 @@ REPO_ROOT = HERE.parent
 TRL_VERSION = "1.16"
 LABELS = ("trl", "arl-sync", "arl-async")
 GOAL_ASYNC_SPEEDUP = 2.0
+GOAL_OVERHEAD_S = 0.2
+"""arl's pipeline overhead per step: its training loop's seconds per step less TRL's (the same work in one loop)."""
 TAIL = 0.2
 """Fraction of the last steps whose mean reward is reported."""
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
@@ -73,6 +75,8 @@ class Run:
     load: float = 0.0
     """The machine's 1-minute load average when the run started."""
     prompts_identical: bool | None = None
+    timeline: dict[str, float] = field(default_factory=dict)
+    """arl: the step timeline's intervals (docs/operations.md), mean seconds per step, by `<stage> <key>`."""
     """TRL's runs: whether its prompt token ids equal arl-sync's for the same seed, step by step."""
 
 
@@ -212,6 +216,7 @@ def run_arl(label: str, workdir: Path, steps: int, seed: int, staleness: int, ov
         info=_arl_info(rollout),
         prompts=_arl_prompts(paths, steps),
         load=load,
+        timeline=_arl_timeline(rollout, train),
     )
 
 
@@ -221,6 +226,19 @@ def _run_logged(cmd: list[str], log: Path, env_extra: dict[str, str] | None = No
         code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env).returncode
     if code != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])} ... failed (exit {code}); its output ends:\n{log.read_text()[-3000:]}")
+
+
+def _arl_timeline(rollout: list[dict[str, Any]], train: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean seconds per step of every timeline interval both stages record (`time_*_s`, the publication's parts),
+    step 0 left out (it includes the stages' start-up waits)."""
+    out: dict[str, float] = {}
+    for stage, rows in (("rollout", rollout[1:]), ("train", train[1:])):
+        keys = sorted({k for r in rows for k in r if k.startswith("time_") or k in ("weight_sync_s", "verify_s")})
+        for key in keys:
+            values = [float(r[key]) for r in rows if isinstance(r.get(key), int | float)]
+            if values:
+                out[f"{stage} {key}"] = statistics.fmean(values)
+    return out
 
 
 def _arl_info(rollout: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -344,6 +362,11 @@ def summarize(groups: dict[str, list[Run]], rows: dict[str, list[dict[str, Any]]
             figures[f"{label}: {key}, last 20%, per seed"] = ", ".join(
                 f"{tail_mean(r.info[key]):.3f}" for r in groups[label] if key in r.info
             )
+    for label in ("arl-sync", "arl-async"):
+        keys = sorted(set().union(*(r.timeline for r in groups[label])))
+        for key in keys:
+            values = [r.timeline[key] for r in groups[label] if key in r.timeline]
+            figures[f"{label} timeline: {key}, mean s per step"] = round(statistics.fmean(values), 3)
     figures["prompt token ids identical, TRL vs arl (all seeds, all steps)"] = all(
         bool(r.prompts_identical) for r in groups["trl"]
     )
@@ -373,6 +396,16 @@ def compare(
         ratios[f"TRL / {label} whole process time"] = statistics.fmean(r.process_s for r in trl) / statistics.fmean(
             r.process_s for r in groups[label]
         )
+    for label in ("arl-sync", "arl-async"):
+        overhead = statistics.fmean(r.loop_s / len(r.rewards) for r in groups[label]) - statistics.fmean(
+            r.loop_s / len(r.rewards) for r in trl)  # fmt: skip
+        ratios[f"{label} pipeline overhead, s per step (loop s/step less TRL's)"] = overhead
+    overhead = ratios["arl-async pipeline overhead, s per step (loop s/step less TRL's)"]
+    targets[f"arl-async (the demo's setting) pipeline overhead <= {GOAL_OVERHEAD_S:g} s per step"] = (
+        "met" if overhead <= GOAL_OVERHEAD_S else "missed") + f" ({overhead:.2f} s)"  # fmt: skip
+    whole = ratios["TRL / arl-async whole process time"]
+    targets["arl demo end to end no slower than TRL's whole process"] = (
+        "met" if whole >= 1.0 else "missed") + f" (TRL / arl-async {whole:.2f})"  # fmt: skip
     speedup = ratios.get("TRL / arl-async time to threshold (whole process)")
     goal = f"arl-async >= {GOAL_ASYNC_SPEEDUP:g}x faster than TRL to the threshold (whole process)"
     targets[goal] = ("missed (a run never reached it)" if speedup is None else
