@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-NUM_STEPS = 4
+# Enough steps that the cancel lands mid-run: since the overhead cuts a demo step takes well under a second, and
+# with 4 steps CI once saw the trainer finish between two polls.
+NUM_STEPS = 20
 
 
 def _skip_reason() -> str | None:
@@ -43,7 +45,7 @@ def arl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
                           env={**os.environ, "COLUMNS": "200"}, timeout=timeout)  # fmt: skip
 
 
-def wait_until(check: Callable[[], bool], what: str, run_dir: Path, timeout: float) -> None:
+def wait_until(check: Callable[[], bool], what: str, run_dir: Path, timeout: float, poll_s: float = 1.0) -> None:
     """Poll `check`; fail at once, with the log's tail, when a stage job of the run has failed."""
     deadline = time.monotonic() + timeout
     while not check():
@@ -54,7 +56,7 @@ def wait_until(check: Callable[[], bool], what: str, run_dir: Path, timeout: flo
         if time.monotonic() > deadline:
             status = arl("status", str(run_dir)).stdout
             raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{status}")
-        time.sleep(1.0)
+        time.sleep(poll_s)
 
 
 def sacct_state(job_id: str) -> str:
@@ -82,7 +84,7 @@ def test_demo_under_slurm_survives_a_cancelled_trainer(tmp_path: Path, tiny_mode
     assert sorted(first) == ["inference", "rollout", "train"]
 
     wait_until(lambda: bool(paths.complete_checkpoints()) and paths.complete_checkpoints()[-1] >= 1,
-               "the trainer's first checkpoint", paths.root, timeout=900)  # fmt: skip
+               "the trainer's first checkpoint", paths.root, timeout=900, poll_s=0.1)  # fmt: skip
     assert finished_version(paths) < NUM_STEPS, "the trainer finished before it could be cancelled"
     subprocess.run(["scancel", first["train"]], check=True)
     wait_until(lambda: sacct_state(first["train"]) == "CANCELLED", "the trainer's cancel", paths.root, timeout=60)
