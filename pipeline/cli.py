@@ -144,14 +144,15 @@ def inspect(
 @_friendly
 def demo(
     overrides: list[str] = typer.Argument(None, help="key.sub=value overrides of examples/demo.yaml."),
-    steps: int = typer.Option(24, "--steps", help="Training steps."),
+    steps: int | None = typer.Option(None, "--steps", help="Training steps (default: the demo config's num_steps)."),
     out: Path = typer.Option(Path("runs"), "--out", "--workdir", help="Where the tiny model and the run dir go."),
     max_staleness: int = typer.Option(1, "--max-staleness", help="0 = synchronous, 1 = overlap rollout and training."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the dataset order, the trainer and the server's sampling."),
 ) -> int:
     """A complete local run on a tiny model (CPU): inference, rollout with an OpenAI-SDK agent, training."""
     from pipeline.demo import run_demo
 
-    return run_demo(steps=steps, out=out, max_staleness=max_staleness, overrides=overrides or [])
+    return run_demo(steps=steps, out=out, max_staleness=max_staleness, overrides=overrides or [], seed=seed)
 
 
 @app.command()
@@ -180,6 +181,13 @@ def make_tiny_model_cmd(
     hidden: int = typer.Option(128, help="Hidden size."),
     seed: int = typer.Option(0, help="Seed for weights and tokenizer training."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing directory."),
+    warm_start: Path | None = typer.Option(
+        None,
+        "--warm-start",
+        help="Then train it briefly on this chat corpus "
+        "(JSONL rows {messages, reply}, e.g. examples/data/demo_format.jsonl).",
+    ),
+    warm_start_steps: int = typer.Option(120, "--warm-start-steps", help="Supervised steps of --warm-start."),
 ) -> None:
     """Make an offline, seeded, tiny Qwen2-architecture model + tokenizer (for tests and the demo)."""
     from pipeline.tiny_model import make_tiny_model
@@ -190,6 +198,12 @@ def make_tiny_model_cmd(
     path = make_tiny_model(out_dir, template=style, num_layers=layers, hidden_size=hidden, seed=seed,
                            overwrite=overwrite)  # fmt: skip
     typer.echo(f"tiny model written to {path}")
+    if warm_start is not None:
+        from pipeline.warm_start import warm_start as run_warm_start
+
+        done = run_warm_start(path, warm_start, steps=warm_start_steps, seed=seed)
+        typer.echo(f"warm start: {done.steps} supervised steps on {done.corpus} ({done.rows} rows), "
+                   f"loss {done.first_loss:.2f} -> {done.last_loss:.2f}")  # fmt: skip
 
 
 @app.command()

@@ -1,9 +1,12 @@
-"""`arl demo`: a complete local run on a tiny model, showing the reward rise.
+"""`arl demo`: a complete local run on a tiny model that learns a task (repeat the number it is asked to).
 
-The demo is an ordinary user of arl: it makes the tiny model if absent, then runs
-`arl launch examples/demo.yaml --executor local` as a child process (inference, rollout with an
-unmodified OpenAI-SDK agent, trainer), watches the run directory for progress, and at the end
-draws the reward curve (terminal + PNG) and prints the `arl inspect` command for the run.
+The demo is an ordinary user of arl: it makes the tiny model if absent (1 layer, warm-started on the
+answer format only, see pipeline/warm_start.py), then runs `arl launch examples/demo.yaml --executor
+local` as a child process (inference, rollout with an unmodified OpenAI-SDK agent, trainer), watches
+the run directory for progress, and at the end draws the reward and exact-correct curves (terminal +
+PNG), compares the first and last steps, and prints the `arl inspect` command for the run.
+Exact-correct (`agent/exact_correct`, the agent's metric) is the task itself: step 0 measures the
+model before RL.
 
 It works from any directory after a plain `pip install`: the config, agent and data come with the
 package (`pipeline/examples` is the repository's `examples/`, shipped as package data), the agent
@@ -38,12 +41,20 @@ EXAMPLES = (Path(__file__).parent / "examples").resolve()
 DEMO_CONFIG = EXAMPLES / "demo.yaml"
 DEMO_AGENT = EXAMPLES / "demo_agent.py"
 DEMO_DATA = EXAMPLES / "data" / "demo.jsonl"
+DEMO_FORMAT = EXAMPLES / "data" / "demo_format.jsonl"
+"""The warm start's corpus: the answer format only (prompts name no number; replies are random)."""
+MODEL_LAYERS = 1
+"""One layer: it learns to copy by RL within the demo's steps (2-layer models did not, within 100 steps)."""
+WARM_START_STEPS = 120
+MODEL_NAME = f"tiny-model-L{MODEL_LAYERS}-warm{WARM_START_STEPS}"
+"""The demo's model directory under --out; the name changes with the recipe, so an old model is not reused."""
+EXACT_KEY = "agent/exact_correct"
 console = people_console()
 
 
 def demo_file_overrides() -> list[str]:
     """The demo config's agent and dataset as absolute paths, so its run works from any directory."""
-    for path in (DEMO_CONFIG, DEMO_AGENT, DEMO_DATA):
+    for path in (DEMO_CONFIG, DEMO_AGENT, DEMO_DATA, DEMO_FORMAT):
         if not path.exists():
             raise ArlError(f"the demo's file {path} is missing from the installed arl package; reinstall arl "
                            "(`pip install --force-reinstall arl`, or `pip install -e .` in a checkout)")  # fmt: skip
@@ -53,21 +64,26 @@ def demo_file_overrides() -> list[str]:
     ]
 
 
-def run_demo(steps: int, out: Path, max_staleness: int = 1, overrides: list[str] | None = None) -> int:
-    """Run the demo under `out`; returns the launcher's exit status (0 = every stage finished).
-    `overrides` (`key.sub=value`) are passed to `arl launch` after the demo's own, so they win."""
+def run_demo(
+    steps: int | None, out: Path, max_staleness: int = 1, overrides: list[str] | None = None, seed: int = 0
+) -> int:
+    """Run the demo under `out` for `steps` steps (None: the config's `num_steps`); returns the launcher's exit
+    status (0 = every stage finished). `overrides` (`key.sub=value`) are passed to `arl launch` after the demo's
+    own, so they win. `seed` seeds the dataset order, the trainer and the inference server's sampling."""
+    if steps is None:
+        steps = int(yaml.safe_load(DEMO_CONFIG.read_text())["num_steps"])
     if steps < 1:
         raise ArlError(f"--steps must be >= 1, got {steps}")
     out = out.expanduser().resolve()
     files = demo_file_overrides()
-    model_dir = ensure_tiny_model(out / "tiny-model")
-    trial = datetime.now().strftime("demo-%Y%m%d-%H%M%S")
+    model_dir = ensure_tiny_model(out / MODEL_NAME)
+    trial = datetime.now().strftime("demo-%Y%m%d-%H%M%S") + (f"-seed{seed}" if seed else "")
     paths = RunPaths.from_config(out, "demo", trial)
     overrides = [f"fileroot={_yaml_str(str(out))}", f"trial_name={trial}", f"num_steps={steps}",
                  f"model.path={_yaml_str(str(model_dir))}", *files, f"rollout.max_staleness={max_staleness}",
-                 *(overrides or [])]  # fmt: skip
-    console.print(f"[bold]arl demo[/]: {steps} steps (0-{steps - 1}; step k is trained into weight version k+1) "
-                  f"on a tiny model")  # fmt: skip
+                 *seed_overrides(seed), *(overrides or [])]  # fmt: skip
+    console.print(f"[bold]arl demo[/]: {steps} steps (0-{steps - 1}; step k is trained into weight version k+1), "
+                  f"seed {seed}: RL teaches a tiny model to repeat the number it is asked to")  # fmt: skip
     console.print(f"run dir: {paths.root}", markup=False, highlight=False)
     started = time.monotonic()
     code = _launch_and_watch(overrides, paths, steps)
@@ -88,14 +104,38 @@ def _yaml_str(value: str) -> str:
     return json.dumps(value)
 
 
+def seed_overrides(seed: int) -> list[str]:
+    """The demo's seeds: dataset order, trainer RNGs, and the inference server's sampling."""
+    return [f"rollout.dataset.seed={seed}", f"trainer.seed={seed}", f"inference.extra_args=[--seed, '{seed}']"]
+
+
 def ensure_tiny_model(model_dir: Path) -> Path:
-    """Make the tiny model the first time; reuse it afterwards (it is seeded, so always the same)."""
-    if (model_dir / "config.json").exists():
+    """Make the demo's tiny model and its format-only warm start the first time; reuse it afterwards (both
+    are seeded, so it is always the same). A directory left without the warm start's record (an interrupted
+    build) is rebuilt."""
+    from pipeline.warm_start import read_record
+
+    if (model_dir / "config.json").exists() and read_record(model_dir) is not None:
+        console.print(_warm_start_line(model_dir, "reusing"), markup=False, highlight=False)
         return model_dir
     from pipeline.tiny_model import make_tiny_model
+    from pipeline.warm_start import warm_start
 
-    console.print(f"making the tiny model in {model_dir} ...")
-    return make_tiny_model(model_dir)
+    console.print(f"making the tiny model ({MODEL_LAYERS} layer) in {model_dir} ...", markup=False, highlight=False)
+    make_tiny_model(model_dir, num_layers=MODEL_LAYERS, overwrite=True)
+    warm_start(model_dir, DEMO_FORMAT, steps=WARM_START_STEPS)
+    console.print(_warm_start_line(model_dir, "made"), markup=False, highlight=False)
+    return model_dir
+
+
+def _warm_start_line(model_dir: Path, verb: str) -> str:
+    from pipeline.warm_start import read_record
+
+    record = read_record(model_dir)
+    assert record is not None
+    return (f"warm start ({verb}): {record.steps} supervised steps on {Path(record.corpus).name}, the answer format "
+            f"only (its prompts name no number; its replies are random two-digit numbers); loss "
+            f"{record.first_loss:.2f} -> {record.last_loss:.2f}. Copying the number is left to RL.")  # fmt: skip
 
 
 def _launch_and_watch(overrides: list[str], paths: RunPaths, steps: int) -> int:
@@ -161,22 +201,45 @@ def reward_of(record: dict[str, Any]) -> float | None:
     return None
 
 
+def _series(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    return [(int(r["step"]), float(r[key])) for r in records
+            if isinstance(r.get(key), int | float) and not isinstance(r.get(key), bool)]  # fmt: skip
+
+
 def summarize(paths: RunPaths, elapsed: float) -> None:
-    """Reward curve in the terminal and as a PNG, the first-vs-last comparison, the inspect hint."""
+    """Curves in the terminal and as a PNG, the first-vs-last comparison of reward and exact-correct, the
+    inspect hint."""
     records = read_jsonl(paths.rollout_metrics)
     rewards = [(int(r["step"]), reward) for r in records if (reward := reward_of(r)) is not None]
     if not rewards:
         console.print("no rollout metrics were written")
         return
+    exact = _series(records, EXACT_KEY)
     console.print(ascii_curve(rewards), markup=False, highlight=False)
-    k = max(1, len(rewards) // 5)
-    first, last = rewards[:k], rewards[-k:]
-    console.print(f"mean reward, {_span(first)}: {_mean(first):.3f}   {_span(last)}: {_mean(last):.3f}   "
-                  f"change: [bold]{_mean(last) - _mean(first):+.3f}[/] in {elapsed:.0f}s")  # fmt: skip
-    png = save_png(rewards, paths.reward_curve)
+    if exact:
+        console.print(ascii_curve(exact, title="exact-correct per step"), markup=False, highlight=False)
+    for line in comparison_lines(rewards, exact, elapsed):
+        console.print(line)
+    png = save_png(rewards, paths.reward_curve, exact=exact)
     console.print(f"reward curve: {png}", markup=False, highlight=False)
     console.print("inspect the trajectories:")
     console.print(f"  arl inspect {paths.root} --step {rewards[-1][0]} --decode", markup=False, highlight=False)
+
+
+def comparison_lines(rewards: list[tuple[int, float]], exact: list[tuple[int, float]], elapsed: float) -> list[str]:
+    """First fifth of the steps vs the last fifth, for the reward and (when the agent reports it) the
+    exact-correct rate; step 0 is the model before RL."""
+    k = max(1, len(rewards) // 5)
+    first, last = rewards[:k], rewards[-k:]
+    lines = [f"mean reward,   {_span(first)}: {_mean(first):.3f}   {_span(last)}: {_mean(last):.3f}   "
+             f"change: [bold]{_mean(last) - _mean(first):+.3f}[/] in {elapsed:.0f}s"]  # fmt: skip
+    if exact:
+        k = max(1, len(exact) // 5)
+        first, last = exact[:k], exact[-k:]
+        lines.append(f"exact-correct, {_span(first)}: {_mean(first):.3f}   {_span(last)}: {_mean(last):.3f}   "
+                     f"change: [bold]{_mean(last) - _mean(first):+.3f}[/]   (before RL, step {exact[0][0]}: "
+                     f"{exact[0][1]:.3f})")  # fmt: skip
+    return lines
 
 
 def _span(rewards: list[tuple[int, float]]) -> str:
@@ -188,34 +251,42 @@ def _mean(rewards: list[tuple[int, float]]) -> float:
     return sum(r for _, r in rewards) / len(rewards)
 
 
-def ascii_curve(rewards: list[tuple[int, float]], height: int = 8) -> str:
-    """A small bar chart of one column per step (values in [0, 1] are typical; scaled to the range), its
-    axis labelled with the first and last step numbers."""
-    values = [r for _, r in rewards]
+def ascii_curve(
+    rewards: list[tuple[int, float]], height: int = 8, title: str = "reward per step", width: int = 75
+) -> str:
+    """A small bar chart, one column per step (per run of consecutive steps, averaged, beyond `width` steps so
+    it fits a terminal; values in [0, 1] are typical; scaled to the range), its axis labelled with the first and
+    last step numbers."""
+    per = -(-len(rewards) // width)  # steps per column, rounded up
+    values = [sum(r for _, r in rewards[i : i + per]) / len(rewards[i : i + per]) for i in range(0, len(rewards), per)]
     lo, hi = min(0.0, *values), max(1e-9, *values)
     rows = []
     for level in range(height, 0, -1):
         threshold = lo + (hi - lo) * (level - 0.5) / height
         label = f"{lo + (hi - lo) * level / height:5.2f} |" if level in (height, 1) else "      |"
         rows.append(label + "".join("█" if v >= threshold else " " for v in values))
-    rows.append("      +" + "-" * len(values) + " step")
+    rows.append("      +" + "-" * len(values) + (" step" if per == 1 else f" step ({per} steps a column)"))
     first, last = str(rewards[0][0]), str(rewards[-1][0])
     rows.append(" " * 7 + first + last.rjust(len(values) - len(first)) if len(values) > len(first) + len(last)
                 else " " * 7 + first)  # fmt: skip
-    return "reward per step\n" + "\n".join(rows)
+    return title + "\n" + "\n".join(rows)
 
 
-def save_png(rewards: list[tuple[int, float]], path: Path) -> Path:
+def save_png(rewards: list[tuple[int, float]], path: Path, exact: list[tuple[int, float]] | None = None) -> Path:
+    """The reward per step and, when given, the exact-correct rate per step on the same [0, 1] axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([s for s, _ in rewards], [r for _, r in rewards], marker="o", markersize=3)
+    ax.plot([s for s, _ in rewards], [r for _, r in rewards], marker="o", markersize=3, label="mean reward")
+    if exact:
+        ax.plot([s for s, _ in exact], [r for _, r in exact], marker="s", markersize=3, label="exact-correct")
+        ax.legend(loc="upper left")
     ax.set_xlabel("step (step k is trained into weight version k+1)")
-    ax.set_ylabel("mean reward")
-    ax.set_title("arl demo: reward per step")
+    ax.set_ylabel("mean per step")
+    ax.set_title("arl demo: reward and exact-correct per step" if exact else "arl demo: reward per step")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")

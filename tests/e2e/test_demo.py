@@ -18,8 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.demo import MODEL_NAME
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
+"""Enough for every line the demo prints (the task is learned over the shipped config's 150 steps; the
+benchmark benchmarks/demo_learning.py checks that on three seeds)."""
 
 
 def _env() -> dict[str, str]:
@@ -62,9 +66,21 @@ def check_written_under(lines: list[str], cwd: Path, out: Path) -> Path:
         assert Path(path).is_absolute() and Path(path).exists() and Path(path).is_relative_to(out), (path, text)
     assert inspect == (run_dir, str(STEPS - 1))
     assert sorted(p.name for p in cwd.iterdir()) == [out.name], list(cwd.iterdir())
-    assert (out / "tiny-model" / "config.json").exists()
+    assert (out / MODEL_NAME / "config.json").exists() and (out / MODEL_NAME / "warm_start.json").exists()
     assert len(list(Path(run_dir, "trajectories").glob("step_*"))) == STEPS
+    check_final_lines(text)
     return Path(run_dir)
+
+
+def check_final_lines(text: str) -> None:
+    """The demo says it warm-started the model on the format only, and ends with the reward and the
+    exact-correct rate (the task itself) of the first steps against the last, step 0 being before RL."""
+    assert re.search(r"^warm start \(made\): \d+ supervised steps on demo_format.jsonl, the answer format only",
+                     text, flags=re.M), text  # fmt: skip
+    assert re.search(r"^mean reward,   step 0: \d\.\d{3}   step 1: \d\.\d{3}   change: ", text, flags=re.M), text
+    assert re.search(r"^exact-correct, step 0: \d\.\d{3}   step 1: \d\.\d{3}   change: [-+]\d\.\d{3}   "
+                     r"\(before RL, step 0: \d\.\d{3}\)$", text, flags=re.M), text  # fmt: skip
+    assert "exact-correct per step" in text
 
 
 @pytest.mark.slow
