@@ -9,8 +9,8 @@ as it changes:
   `max_tokens` and `temperature` are what the agent sends to arl's proxy. While it runs, the module-level
   `score` function the agent calls (if any) is wrapped to record its arguments: TRL's reward function can
   then call `score(reply, *same_args)` directly, as a TRL user would, instead of paying for an OpenAI
-  client per completion. When `run` does not return `score`'s result unchanged, TRL goes through the
-  agent's `run` instead (`route = "agent"`), which is slower but always the same reward.
+  client per completion. When `run` returns neither `score`'s result unchanged nor `(that result, metrics)`,
+  TRL goes through the agent's `run` instead (`route = "agent"`), which is slower but always the same reward.
 * `grpo_config_kwargs`: the `trl.GRPOConfig` keyword arguments equivalent to the arl config
   (docs/trainer.md, "arl vs TRL's GRPO", explains each one, checked against TRL 1.16's source).
 """
@@ -96,8 +96,12 @@ def _capture_one(agent: Agent, data: dict[str, Any], step: int, temperature: flo
     if len(recorded) == 1 and recorded[0][0][:1] == (SENTINEL_REPLY,):
         args, kwargs, result = recorded[0]
         call.score_args, call.score_kwargs = list(args[1:]), dict(kwargs)
-        first = result[0] if isinstance(result, tuple) else None
-        call.direct = returned is result or (first is not None and returned is first)
+        # The agent may return score's result itself, or (score's result, {metrics}): either way calling `score`
+        # is the same reward. The metrics are then not computed for TRL (running the agent per completion costs
+        # TRL ~1 s a step at 512 completions, time arl does not charge it), so TRL's runs report the reward only.
+        reward_of_score = result[0] if isinstance(result, tuple) else result
+        first = returned[0] if isinstance(returned, tuple) and len(returned) == 2 else None
+        call.direct = returned is result or returned is reward_of_score or first is reward_of_score
     return call
 
 

@@ -88,9 +88,16 @@ def arl(workdir: Path, *args: str, env: dict[str, str] | None = None,
 
 
 def arl_bg(workdir: Path, *args: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    """The launcher as a person starts it from a terminal: Ctrl-C (SIGINT) reaches it. A test run started in the
+    background by a non-interactive shell (`.ci/run &`) inherits SIGINT *ignored*, and Python keeps an ignored
+    SIGINT ignored, so the launcher under test must get the default disposition back."""
     return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=workdir, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_default_sigint,
                             env={**os.environ, "COLUMNS": "200", **env})  # fmt: skip
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_until(check: Callable[[], bool], what: str, timeout: float = 90.0) -> None:
