@@ -9,6 +9,7 @@ real: the CLI, the run dir, jobs.json, processes and signals, sbatch/submitit/sq
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -117,6 +118,13 @@ def jobs(workdir: Path) -> dict[str, list[dict]]:
     return json.loads((run_dir(workdir) / "jobs.json").read_text())["stages"]
 
 
+def _kill_recorded_stages(workdir: Path) -> None:
+    """After a failed test, end the stand-in stages the launcher started (their own sessions outlive it)."""
+    for entries in jobs(workdir).values():
+        with contextlib.suppress(ProcessLookupError, PermissionError, KeyError):
+            os.killpg(entries[-1]["pid"], signal.SIGKILL)
+
+
 def pid_alive(pid: int) -> bool:
     import psutil
 
@@ -181,6 +189,7 @@ def test_ctrl_c_stops_every_stage(workdir: Path) -> None:
     finally:
         if launcher.poll() is None:
             launcher.kill()
+            _kill_recorded_stages(workdir)
     assert launcher.returncode == 130, out
     assert {f"{s}.1.sigterm" for s in ("inference", "rollout", "train")} <= markers(workdir)
     for entries in jobs(workdir).values():

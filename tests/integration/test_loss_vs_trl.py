@@ -1,0 +1,173 @@
+"""arl's policy loss judged by TRL's: the same samples, weights, old and reference log-probs give the same loss and
+the same gradient in TRL 1.16's `GRPOTrainer._compute_loss` as in arl's trainer (`TorchBackend.train_minibatch`
+with `policy_loss`, micro-batches planned by `plan_step`, as the trainer loop runs them).
+
+The options are set as `benchmarks/_trl_align.grpo_config_kwargs` sets them (docs/trainer.md, "arl vs TRL's
+GRPO"): token-mean loss (`dapo` / `token`), PPO clip, k3 KL to the reference not multiplied by the ratio,
+temperature-scaled log-probs. The old (behaviour) log-probs are the policy's own plus noise, so a share of the
+ratios leaves the clip range, and the reference is a different model, so the KL term has a gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.config import load_config
+from pipeline.trainer.advantages import compute_advantages
+from pipeline.trainer.data import Sample
+from pipeline.trainer.losses import LossOutput, TokenBatch, policy_loss
+from pipeline.trainer.packing import plan_step
+from pipeline.trainer.torch_backend import TorchBackend
+
+trl = pytest.importorskip("trl", reason="TRL is the judge here (the dev extra installs it)")
+
+TEMPERATURE = 0.7
+KL_COEF = 0.05
+CLIP = 0.2
+GROUPS, GROUP_SIZE = 3, 4
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with every weight moved a little: the policy being trained (the reference is the original)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    out = tmp_path_factory.mktemp("policy")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(str(tiny_model_dir)).save_pretrained(out)
+    return out
+
+
+def _samples(policy_dir: Path) -> list[Sample]:
+    """Groups of completions of one prompt each; behaviour log-probs = the policy's own + noise in [-0.4, 0.4]."""
+    from transformers import AutoModelForCausalLM
+
+    rng = np.random.default_rng(0)
+    model = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    samples = []
+    for g in range(GROUPS):
+        prompt = rng.integers(0, vocab, size=5 + 2 * g).tolist()
+        for i in range(GROUP_SIZE):
+            completion = rng.integers(0, vocab, size=1 + (g + i) % 6).tolist()
+            ids = np.array(prompt + completion)
+            with torch.no_grad():
+                logits = model(input_ids=torch.from_numpy(ids)[None]).logits[0, :-1].float() / TEMPERATURE
+            own = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
+            logprobs = np.concatenate([[0.0], own]) + rng.uniform(-0.4, 0.4, size=len(ids))
+            mask = np.array([0] * len(prompt) + [1] * len(completion), dtype=np.int8)
+            logprobs = np.where(mask == 1, logprobs, 0.0).astype(np.float32)
+            samples.append(Sample(f"s{g}.{i}", f"g{g}", ids, mask, logprobs, np.where(mask == 1, 0, -1),
+                                  float(rng.uniform(0, 1))))  # fmt: skip
+    return samples
+
+
+def _arl(tiny_model_dir: Path, policy_dir: Path, samples: list[Sample], packing: str) -> tuple[float, dict[str, Any]]:
+    """arl's loss and gradient for one minibatch of `samples` (a negligible lr, no clipping: grads stay as computed)."""
+    config = load_config(None, [f"model.path={tiny_model_dir}", "trainer.device=cpu", f"trainer.packing={packing}",
+                                f"rollout.temperature={TEMPERATURE}", "trainer.algorithm.decoupled=false",
+                                f"trainer.algorithm.kl_coef={KL_COEF}", f"trainer.algorithm.clip_eps={CLIP}",
+                                "trainer.algorithm.loss_agg=token", "trainer.optimizer.lr=1e-12",
+                                "trainer.optimizer.grad_clip=1e9"])  # fmt: skip
+    advantages = _advantages(samples)
+    backend = TorchBackend(config, total_updates=1)
+    try:
+        backend.load(policy_dir, None)
+        (minibatch,) = plan_step(samples, advantages, minibatches=1, budget=4096, agg="token", seed=0,
+                                 step=0, layout=backend.layout)  # fmt: skip
+        for micro in minibatch:
+            micro.tokens.ref_logp = backend.logprobs(micro, reference=True) * micro.tokens.mask
+        losses: list[float] = []
+
+        def loss_fn(logp: torch.Tensor, entropy: torch.Tensor | None, batch: TokenBatch) -> LossOutput:
+            out = policy_loss(logp, entropy, batch, config.trainer.algorithm)
+            losses.append(float(out.loss))
+            return out
+
+        backend.train_minibatch(minibatch, loss_fn)
+        grads = {name: p.grad.detach().clone() for name, p in backend.model.named_parameters()}
+    finally:
+        backend.close()
+    return sum(losses), grads
+
+
+def _advantages(samples: list[Sample]) -> np.ndarray:
+    return compute_advantages([s.reward for s in samples], [s.group_id for s in samples], "grpo")
+
+
+def _trl(tiny_model_dir: Path, policy_dir: Path, samples: list[Sample], tmp_path: Path) -> tuple[float, dict[str, Any]]:
+    """TRL's loss and gradient for the same samples, through `GRPOTrainer._compute_loss` itself."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), num_generations=GROUP_SIZE,
+                          per_device_train_batch_size=len(samples), gradient_accumulation_steps=1,
+                          steps_per_generation=1, temperature=TEMPERATURE,
+                          beta=KL_COEF, use_bias_correction_kl=False, epsilon=CLIP, loss_type="dapo",
+                          scale_rewards="group", bf16=False, gradient_checkpointing=False, report_to=[],
+                          max_completion_length=8, use_cpu=True)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                              train_dataset=Dataset.from_list([{"prompt": "x"}] * GROUP_SIZE))  # fmt: skip
+    inputs = _trl_inputs(samples, trainer, tiny_model_dir)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by the HF Trainer's training loop before each step
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    return float(loss), {name: p.grad.detach().clone() for name, p in trainer.model.named_parameters()}
+
+
+def _trl_inputs(samples: list[Sample], trainer: Any, reference_dir: Path) -> dict[str, torch.Tensor]:
+    """What `_generate_and_score_completions` hands `_compute_loss`: left-padded prompts, right-padded completions,
+    advantages by TRL's own group scaling, the old log-probs (arl's behaviour ones) and the reference's."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = [s.input_ids[s.loss_mask == 0] for s in samples]
+    completions = [s.input_ids[s.loss_mask == 1] for s in samples]
+    width_p, width_c = max(map(len, prompts)), max(map(len, completions))
+    prompt_ids = torch.tensor([[0] * (width_p - len(p)) + p.tolist() for p in prompts])
+    prompt_mask = torch.tensor([[0] * (width_p - len(p)) + [1] * len(p) for p in prompts])
+    completion_ids = torch.tensor([c.tolist() + [0] * (width_c - len(c)) for c in completions])
+    completion_mask = torch.tensor([[1] * len(c) + [0] * (width_c - len(c)) for c in completions])
+    old = torch.tensor([s.logprobs[s.loss_mask == 1].tolist() + [0.0] * (width_c - int(s.loss_mask.sum()))
+                        for s in samples])  # fmt: skip
+    # arl's advantages: the loss is judged here, and TRL's group scaling differs by its epsilon (1e-4 vs 1e-6,
+    # docs/trainer.md), which would move the figures by ~3e-4 of their size.
+    advantages = torch.tensor(_advantages(samples), dtype=torch.float32)
+    # TRL made its reference from the policy's directory; give it the original weights (its own patched LM head,
+    # with TRL's temperature scaling, stays)
+    original = AutoModelForCausalLM.from_pretrained(str(reference_dir), dtype=torch.float32)
+    trainer.ref_model.load_state_dict(original.state_dict())
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    with torch.no_grad():
+        ref, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, input_ids, attention_mask, width_c)
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+            "completion_mask": completion_mask, "advantages": advantages, "old_per_token_logps": old,
+            "ref_per_token_logps": ref, "num_items_in_batch": completion_mask.sum()}  # fmt: skip
+
+
+@pytest.mark.parametrize("packing", ["padded", "packed"])
+def test_arl_loss_and_gradient_equal_trls(tiny_model_dir: Path, policy_dir: Path, tmp_path: Path,
+                                          packing: str) -> None:  # fmt: skip
+    samples = _samples(policy_dir)
+    arl_loss, arl_grads = _arl(tiny_model_dir, policy_dir, samples, packing)
+    trl_loss, trl_grads = _trl(tiny_model_dir, policy_dir, samples, tmp_path)
+    assert math.isfinite(arl_loss) and abs(arl_loss) > 1e-3  # a loss that could differ
+    assert arl_loss == pytest.approx(trl_loss, rel=1e-4, abs=1e-6), (arl_loss, trl_loss)
+    assert arl_grads.keys() == trl_grads.keys()
+    scale = max(float(g.abs().max()) for g in trl_grads.values())
+    worst = max(float((arl_grads[k] - trl_grads[k]).abs().max()) for k in trl_grads)
+    assert scale > 1e-4 and worst <= 1e-4 * scale, (worst, scale)
