@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.demo import ensure_tiny_model
+from pipeline.demo import MODEL_NAME, ensure_tiny_model
 from pipeline.metrics import read_jsonl
 from pipeline.paths import RunPaths
 
@@ -132,7 +132,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.workdir or Path(tmp)
-        ensure_tiny_model(workdir / "tiny-model")
+        ensure_tiny_model(workdir / MODEL_NAME)  # the demo's model, made before any timed run
         runs = [run_demo(label, staleness, mode, args, workdir) for label, staleness, mode in RUNS]
     sync, wait, interrupt = runs
     print_rewards(runs)

@@ -1,6 +1,7 @@
 """arl against TRL's GRPOTrainer on the demo's experiment, side by side, on the same machine in the same run.
 
-For each seed, three runs of `--steps` steps (default: the demo's `num_steps`), one after the other so a
+For each seed, three runs of `--steps` steps (default 60: the demo's copy is learned by then, at steps 35-50, and
+nine runs of the demo's full 150 steps would take over an hour here), one after the other so a
 change in the machine's load touches all three alike:
   trl        TRL 1.16 `GRPOTrainer` in its own process (benchmarks/_trl_grpo.py): the demo's tiny model
              (the very directory `arl demo` uses), the prompts of arl's schedule in arl's order as the
@@ -49,6 +50,7 @@ LABELS = ("trl", "arl-sync", "arl-async")
 GOAL_ASYNC_SPEEDUP = 2.0
 GOAL_OVERHEAD_S = 0.2
 """arl's pipeline overhead per step: its training loop's seconds per step less TRL's (the same work in one loop)."""
+DEFAULT_STEPS = 60
 TAIL = 0.2
 """Fraction of the last steps whose mean reward is reported."""
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
@@ -83,11 +85,11 @@ class Run:
 def main() -> int:
     args = parse_args()
     require_trl()
-    from pipeline.demo import DEMO_CONFIG, ensure_tiny_model
+    from pipeline.demo import DEMO_CONFIG, MODEL_NAME, ensure_tiny_model
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="arl-vs-trl-")).resolve()
-    model_dir = ensure_tiny_model(workdir / "tiny-model")  # the directory every run loads
-    steps = args.steps or int(_yaml(DEMO_CONFIG)["num_steps"])
+    model_dir = ensure_tiny_model(workdir / MODEL_NAME)  # the directory every run loads (arl demo makes it there)
+    steps = args.steps or min(DEFAULT_STEPS, int(_yaml(DEMO_CONFIG)["num_steps"]))
     print(f"vs_trl: {args.seeds} seeds x {steps} steps; TRL, arl-sync, arl-async per seed; work dir {workdir}")
     runs: list[Run] = []
     try:
@@ -107,7 +109,7 @@ def main() -> int:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1, each running TRL, arl-sync, arl-async")
-    parser.add_argument("--steps", type=int, default=None, help="training steps (default: the demo's num_steps)")
+    parser.add_argument("--steps", type=int, default=None, help=f"training steps (default {DEFAULT_STEPS})")
     parser.add_argument("--threshold", type=float, default=None, help="reward to reach (default: see above)")
     parser.add_argument("--smooth", type=int, default=3, help="steps in the trailing mean compared to the threshold")
     parser.add_argument("--workdir", default=None, help="keep the runs here (default: a temp dir, removed)")
@@ -127,8 +129,11 @@ def require_trl() -> None:
 
 
 def seed_overrides(seed: int) -> list[str]:
-    """The same prompt order for the three runs of a seed; arl's trainer and sampling seeds."""
-    return [f"rollout.dataset.seed={seed}", f"trainer.seed={seed}", f'inference.extra_args=["--seed", "{seed}"]']
+    """The same prompt order for the three runs of a seed; arl's trainer and sampling seeds. And a constant
+    learning rate after the warm-up, for all three: the demo's cosine spans its 150 steps, and squeezed into
+    fewer it would decay while the copy is being learned."""
+    return [f"rollout.dataset.seed={seed}", f"trainer.seed={seed}", f'inference.extra_args=["--seed", "{seed}"]',
+            "trainer.optimizer.schedule=constant"]  # fmt: skip
 
 
 def _yaml(path: Path) -> dict[str, Any]:
@@ -197,8 +202,10 @@ def run_arl(label: str, workdir: Path, steps: int, seed: int, staleness: int, ov
     process_s = time.time() - started
     (run_dir,) = [p for p in set(demo_dir.iterdir()) - before if p.is_dir()]
     used = Path(config_from_run_dir(run_dir).model.path).resolve()
-    if used != (workdir / "tiny-model").resolve():
-        raise RuntimeError(f"{run_dir} trained {used}, not the model TRL trains ({workdir / 'tiny-model'})")
+    from pipeline.demo import MODEL_NAME
+
+    if used != (workdir / MODEL_NAME).resolve():
+        raise RuntimeError(f"{run_dir} trained {used}, not the model TRL trains ({workdir / MODEL_NAME})")
     paths = RunPaths(run_dir)
     rollout = sorted(read_jsonl(paths.rollout_metrics), key=lambda r: int(r["step"]))
     train = sorted(read_jsonl(paths.train_metrics), key=lambda r: int(r["step"]))

@@ -1,6 +1,6 @@
 """The demo's agent: an ordinary OpenAI-SDK program with no arl code in it.
 
-Task: the user asks the model to repeat a two-digit number ("Repeat the number 59."); the reply
+Task: the user asks the model to repeat a two-digit number ("Repeat 59."); the reply
 should be exactly that number. `score` grades a reply:
 
     0.2 x [the reply is exactly two digits]
@@ -29,12 +29,18 @@ from typing import Any
 import httpx
 from openai import AsyncOpenAI
 
-SYSTEM_PROMPT = "Answer with digits only."
+SYSTEM_PROMPT = ""
+"""Empty, and the user's message is short, on purpose: the tiny model learns to copy by finding, with one attention
+head, the digit 7 tokens back, and every prompt token it could attend to instead dilutes that signal. With
+Qwen's template an empty system message is 5 tokens (no message at all would bring in Qwen's default one);
+the whole prompt is 24 tokens. With "Answer with digits only." and "Repeat the number 59." (42 tokens), RL found
+the copy within the demo's 150 steps on 3 of 8 runs (the others stayed at about one digit right); with this
+prompt and examples/demo.yaml as shipped, on every run so far (benchmarks/demo_learning.py checks three seeds)."""
 
 
 def user_prompt(number: str) -> str:
     """The user's message for `number` (also what benchmarks send, so they pose the same task)."""
-    return f"Repeat the number {number}."
+    return f"Repeat {number}."
 
 
 def score(reply: str, number: str) -> float:

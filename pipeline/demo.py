@@ -46,7 +46,7 @@ DEMO_FORMAT = EXAMPLES / "data" / "demo_format.jsonl"
 MODEL_LAYERS = 1
 """One layer: it learns to copy by RL within the demo's steps (2-layer models did not, within 100 steps)."""
 WARM_START_STEPS = 120
-MODEL_NAME = f"tiny-model-L{MODEL_LAYERS}-warm{WARM_START_STEPS}"
+MODEL_NAME = f"tiny-model-L{MODEL_LAYERS}-warm{WARM_START_STEPS}-v2"  # v2: the corpus's short system message
 """The demo's model directory under --out; the name changes with the recipe, so an old model is not reused."""
 EXACT_KEY = "agent/exact_correct"
 console = people_console()
