@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ArlError
+from pipeline.handoff import write_json_atomic
 
 RECORD = "warm_start.json"
 """File in the model directory that records the warm start (corpus, steps, lr, losses)."""
@@ -53,7 +54,10 @@ def load_corpus(path: Path) -> list[tuple[list[dict[str, Any]], str]]:
     for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ArlError(f"{path}:{number}: not a JSON object: {exc}") from None
         messages, reply = row.get("messages"), row.get("reply")
         if not isinstance(messages, list) or not messages or not isinstance(reply, str) or not reply:
             raise ArlError(f"{path}:{number}: a warm-start row needs 'messages' (a non-empty list of chat "
@@ -125,11 +129,10 @@ def _batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[Any, A
 
 
 def _loss(model: Any, ids: Any, mask: Any) -> Any:
-    import torch
+    from pipeline.trainer.losses import gather_logprobs
 
     # Right padding and a causal model: the padded tail never influences the trained positions.
-    logits = model(ids).logits[:, :-1].float()
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    logp = gather_logprobs(model(ids).logits[:, :-1], ids[:, 1:])
     target = mask[:, 1:]
     return -(logp * target).sum() / target.sum()
 
@@ -144,7 +147,8 @@ def _save_in_place(model: Any, model_dir: Path, result: WarmStartResult) -> None
         for name in os.listdir(tmp):
             if name.endswith(".safetensors"):
                 os.replace(tmp / name, model_dir / name)
-        (model_dir / RECORD).write_text(json.dumps(asdict(result), indent=2) + "\n", encoding="utf-8")
+        # the record is what says the warm start is complete (`pipeline.demo.ensure_tiny_model`): never torn
+        write_json_atomic(model_dir / RECORD, asdict(result))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
