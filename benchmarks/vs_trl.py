@@ -132,8 +132,9 @@ def seed_overrides(seed: int) -> list[str]:
     """The same prompt order for the three runs of a seed; arl's trainer and sampling seeds. And a constant
     learning rate after the warm-up, for all three: the demo's cosine spans its 150 steps, and squeezed into
     fewer it would decay while the copy is being learned."""
-    return [f"rollout.dataset.seed={seed}", f"trainer.seed={seed}", f'inference.extra_args=["--seed", "{seed}"]',
-            "trainer.optimizer.schedule=constant"]  # fmt: skip
+    from pipeline import demo
+
+    return [*demo.seed_overrides(seed), "trainer.optimizer.schedule=constant"]
 
 
 def _yaml(path: Path) -> dict[str, Any]:

@@ -229,17 +229,18 @@ def summarize(paths: RunPaths, elapsed: float) -> None:
 def comparison_lines(rewards: list[tuple[int, float]], exact: list[tuple[int, float]], elapsed: float) -> list[str]:
     """First fifth of the steps vs the last fifth, for the reward and (when the agent reports it) the
     exact-correct rate; step 0 is the model before RL."""
-    k = max(1, len(rewards) // 5)
-    first, last = rewards[:k], rewards[-k:]
-    lines = [f"mean reward,   {_span(first)}: {_mean(first):.3f}   {_span(last)}: {_mean(last):.3f}   "
-             f"change: [bold]{_mean(last) - _mean(first):+.3f}[/] in {elapsed:.0f}s"]  # fmt: skip
+    lines = [f"mean reward,   {_first_vs_last(rewards)} in {elapsed:.0f}s"]
     if exact:
-        k = max(1, len(exact) // 5)
-        first, last = exact[:k], exact[-k:]
-        lines.append(f"exact-correct, {_span(first)}: {_mean(first):.3f}   {_span(last)}: {_mean(last):.3f}   "
-                     f"change: [bold]{_mean(last) - _mean(first):+.3f}[/]   (before RL, step {exact[0][0]}: "
-                     f"{exact[0][1]:.3f})")  # fmt: skip
+        lines.append(f"exact-correct, {_first_vs_last(exact)}   (before RL, step {exact[0][0]}: {exact[0][1]:.3f})")
     return lines
+
+
+def _first_vs_last(series: list[tuple[int, float]]) -> str:
+    """'steps a-b: x   steps c-d: y   change: +z' over the first and the last fifth of `series`."""
+    k = max(1, len(series) // 5)
+    first, last = series[:k], series[-k:]
+    return (f"{_span(first)}: {_mean(first):.3f}   {_span(last)}: {_mean(last):.3f}   "
+            f"change: [bold]{_mean(last) - _mean(first):+.3f}[/]")  # fmt: skip
 
 
 def _span(rewards: list[tuple[int, float]]) -> str:
