@@ -44,6 +44,7 @@ RESUMABLE = (
     "proxy.max_sessions",
     "rollout.max_concurrency",
     "rollout.subproc_workers",
+    "rollout.agent_transport",
     "rollout.run_timeout_s",
     "rollout.wait_timeout_s",
     "trainer.wait_timeout_s",

@@ -109,28 +109,38 @@ async def open_services(
     proxy = ProxyServer(config.model, config.proxy, engine, admin_key=admin_key_for(config, paths))
     if subscribe is not None:
         proxy.store.on_end(subscribe(proxy.control))
-    http = agent_http_client(config.rollout.run_timeout_s + 60)
     entry = paths.proxy_entry(name)
+    http = None
     try:
         url = await proxy.start()
+        app = proxy.app if config.rollout.agent_transport == "in_process" else None
+        http = agent_http_client(config.rollout.run_timeout_s + 60, proxy_url=url, proxy_app=app)
         write_json_atomic(entry, registry_entry(url))
         log.info("proxy %s serving at %s (registry entry %s)", name, url, entry)
         yield Services(engine=engine, proxy=proxy, control=proxy.control, proxy_url=url, http=http)
     finally:
         entry.unlink(missing_ok=True)
-        await http.aclose()
+        if http is not None:
+            await http.aclose()
         await proxy.stop()
         await engine.close()
 
 
-def agent_http_client(timeout_s: float) -> httpx.AsyncClient:
+def agent_http_client(timeout_s: float, *, proxy_url: str | None = None, proxy_app: Any = None) -> httpx.AsyncClient:
     """The `http_client` offered to inline agents (shared by every run, so connections are reused): an httpx
-    client (what the OpenAI SDK takes) over an aiohttp transport. Why: httpcore's pool rescans every pooled
-    connection (a socket poll each) whenever a request starts or ends, so with 64 runs in flight one shared
-    pool cost ~6 ms of CPU per request in the rollout's event loop, half of it there; aiohttp's pool does not.
-    No connection limit: `rollout.max_concurrency` bounds the runs."""
+    client (what the OpenAI SDK takes). Requests to `proxy_url` are handed to `proxy_app` in process when it is
+    given (`rollout.agent_transport: in_process`, `pipeline.proxy.inprocess`); all others go over an aiohttp
+    transport. Why aiohttp: httpcore's pool rescans every pooled connection (a socket poll each) whenever a
+    request starts or ends, so with 64 runs in flight one shared pool cost ~6 ms of CPU per request in the
+    rollout's event loop, half of it there; aiohttp's pool does not. No connection limit: `rollout.max_concurrency`
+    bounds the runs."""
     import aiohttp
     from httpx_aiohttp import AiohttpTransport
 
+    from pipeline.proxy.inprocess import InProcessTransport
+
     transport = AiohttpTransport(client=lambda: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
-    return httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout_s))
+    mounts: dict[str, httpx.AsyncBaseTransport] = {}
+    if proxy_url is not None and proxy_app is not None:
+        mounts[proxy_url.rstrip("/")] = InProcessTransport(proxy_app)
+    return httpx.AsyncClient(transport=transport, mounts=mounts, timeout=httpx.Timeout(timeout_s))

@@ -34,6 +34,10 @@ class RolloutConfig(Block):
     """Keyword arguments for the agent's constructor when `agent` names a class."""
     mode: Literal["inline", "subproc"] = "inline"
     """`inline` = coroutine in the rollout process; `subproc` = a process pool (sync agents allowed)."""
+    agent_transport: Literal["in_process", "http"] = "in_process"
+    """How inline agents that use the offered `http_client` reach the proxy: `in_process` hands their requests to
+    the proxy's app directly (no socket: about half the CPU of a call over loopback), `http` sends them over TCP.
+    Requests to other URLs, and agents that make their own client, always go over the network."""
     subproc_workers: int = Field(4, ge=1)
     """Processes in the `subproc` pool."""
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)

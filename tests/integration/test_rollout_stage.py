@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import socket
 import time
@@ -164,15 +165,22 @@ async def test_metrics_wandb_offline_puts_the_reward_curve_in_the_stages_wandb_r
     assert (run.run.job_type, run.run.run_group) == ("rollout", f"{config.experiment_name}/{config.trial_name}")
 
 
-async def test_inline_tool_agent_produces_valid_shards(tmp_path: Path, tiny_model_dir: Path, engine_url: str) -> None:
+@pytest.mark.parametrize("transport", ["in_process", "http"])
+async def test_inline_tool_agent_produces_valid_shards(
+    tmp_path: Path, tiny_model_dir: Path, engine_url: str, transport: str, caplog: pytest.LogCaptureFixture
+) -> None:
     from pipeline.rollout.loop import build_schedule, run_rollout
 
     rows_in = [{"question": f"What is {i} + {i}?", "i": i} for i in range(6)]
     rows_in[1]["reject"] = True
     rows_in[4]["boom"] = True
     config, paths = make_run(tmp_path, tiny_model_dir, engine_url, "InlineToolAgent", rows=rows_in,
-                             agent_kwargs={"max_tokens": 5}, max_error_rate=0.5)  # fmt: skip
+                             agent_kwargs={"max_tokens": 5}, max_error_rate=0.5, agent_transport=transport)  # fmt: skip
+    caplog.set_level(logging.INFO, logger="arl")
     assert await run_rollout(StageContext("rollout", paths, config)) == [0, 1]
+    peers = [r.getMessage() for r in caplog.records if "first request from" in r.getMessage()]
+    # Over TCP the proxy sees the agents' address; handed over in process there is no peer at all.
+    assert bool(peers) == (transport == "http"), peers
 
     schedule = build_schedule(config)
     for step in (0, 1):

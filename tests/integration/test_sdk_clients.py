@@ -77,6 +77,31 @@ async def test_openai_streaming_records_the_same_tokens(proxy: Any) -> None:
     assert rows[0]["logprobs"] == rows[1]["logprobs"]
 
 
+async def test_the_in_process_client_streams_and_records_like_tcp(proxy: Any) -> None:
+    """The `http_client` inline agents get (requests handed to the proxy's app in process) against the same
+    proxy over TCP: the same chunks, the same recorded tokens, and other URLs still go over the network."""
+    from pipeline.rollout.services import agent_http_client
+
+    ask = {"model": "m", "messages": [{"role": "user", "content": "1 + 2?"}], "tools": TOOLS, "tool_choice": NAMED,
+           "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    rows = []
+    for in_process in (True, False):
+        s = await _admin(proxy.url, "/rl/start_session")
+        http = agent_http_client(60, proxy_url=proxy.url, proxy_app=proxy.app if in_process else None)
+        async with http:
+            client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=s["api_key"], http_client=http)
+            chunks = [c async for c in await client.chat.completions.create(**ask)]
+            with pytest.raises(openai.AuthenticationError):  # the app's key check runs in process too
+                await openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="wrong", http_client=http,
+                                         max_retries=0).models.list()  # fmt: skip
+            assert (await http.get(proxy.engine.urls[0] + "/health")).status_code == 200  # another server: TCP
+        deltas = [d.function.arguments for c in chunks for ch in c.choices for d in (ch.delta.tool_calls or [])]
+        assert deltas == ["{}"] and chunks[-1].usage is not None
+        rows.append((await _export(proxy.url, s["session_id"], "individual"))["samples"])
+    assert [r["input_ids"] for r in rows[0]] == [r["input_ids"] for r in rows[1]]
+    assert [r["logprobs"] for r in rows[0]] == [r["logprobs"] for r in rows[1]]
+
+
 async def test_openai_n_choices_and_stop(tiny_model_dir: Path, hf_engine_url: Any, start_proxy: Any) -> None:
     proxy = await start_proxy(tiny_model_dir, hf_engine_url(tiny_model_dir))
     s = await _admin(proxy.url, "/rl/start_session")

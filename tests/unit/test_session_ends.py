@@ -128,3 +128,25 @@ async def test_a_spool_that_cannot_be_written_fails_the_end_call_and_stops_the_s
     assert subscriber.finished.empty() and subscriber.saving == 0
     with pytest.raises(ArlError, match="could not be exported and spooled"):
         subscriber.check()
+
+
+async def test_the_open_count_follows_starts_ends_exports_and_expiry() -> None:
+    store = _store(session_timeout_s=10.0, max_sessions=3)
+    a, b, c = (store.start("admin", None, {}) for _ in range(3))
+    with pytest.raises(ApiError) as full:
+        store.start("admin", None, {})
+    assert full.value.status == 429 and "max_sessions" in full.value.message
+    await store.end(a, "end_session")
+    store.export(a, "individual", 1.0)
+    store.export(b, "individual", 1.0)  # an export ends the session too
+    assert store.open_count() == 1 == sum(s.ended is None for s in store.sessions.values())
+    await store.end(c, "end_session")
+    await store.end(c, "finalize")  # a repeated end does not count twice
+    assert store.open_count() == 0
+    d = store.start("admin", None, {})
+    await store.sweep(now=d.last_active + 10.0)  # idle: ended by the sweep
+    assert store.open_count() == 0
+    await store.sweep(now=d.last_active + 30.0)  # ended and unexported: dropped
+    assert store.open_count() == 0 and not store.sessions
+    store.start("admin", None, {})
+    assert store.open_count() == 1
