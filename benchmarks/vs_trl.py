@@ -19,9 +19,11 @@ Printed: per-step mean reward of the three; per run the mean reward over the las
 and the wall time at which the reward (a trailing mean over `--smooth` steps) first reaches `--threshold`
 (default: half-way from TRL's first-step reward to its last-20% reward, mean over seeds), the training
 loop's time (first rollout to last update) and the whole process's time (interpreter start to exit,
-TRL's imports and arl's stage start-ups included). Goals: arl-sync's reward per step within noise of TRL's
-(paired over seeds: the 95% interval of the mean per-seed difference contains 0); arl-async >= 2x faster
-than TRL to the threshold (whole process). On a shared machine the times move with its load.
+TRL's imports and arl's stage start-ups included), and the CPU seconds per step of all the run's processes
+(the OS's accounting of reaped children; for arl also each stage's own `cpu_s` per step): on 2 cores a run
+cannot step faster than its CPU per step / 2, whatever its design. Goals: arl-sync's reward per step within
+noise of TRL's (paired over seeds: the 95% interval of the mean per-seed difference contains 0); arl-async
+>= 2x faster than TRL to the threshold (whole process). On a shared machine the times move with its load.
 Usage: python benchmarks/vs_trl.py [--seeds 3] [--steps N] [--threshold R] [--workdir DIR]
 """
 
@@ -31,6 +33,7 @@ import argparse
 import importlib.util
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -78,6 +81,9 @@ class Run:
     """The machine's 1-minute load average when the run started."""
     prompts_identical: bool | None = None
     timeline: dict[str, float] = field(default_factory=dict)
+    cpu_s: float = 0.0
+    """CPU seconds of every process of the run (the run's process and all it waited for: arl's launcher,
+    stages and inference servers), from the OS's accounting of reaped children."""
     """arl: the step timeline's intervals (docs/operations.md), mean seconds per step, by `<stage> <key>`."""
     """TRL's runs: whether its prompt token ids equal arl-sync's for the same seed, step by step."""
 
@@ -167,8 +173,8 @@ def run_trl(workdir: Path, model_dir: Path, steps: int, seed: int, overrides: li
     # Idle OpenMP threads sleep instead of spinning, as in arl's inference server: on a busy 2-core machine
     # spinning made TRL's steps 6-8x slower (measured 6-8 s vs ~1 s a step).
     omp = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    _run_logged([sys.executable, str(HERE / "_trl_grpo.py"), str(spec_path), str(result_path)],
-                workdir / f"trl-{seed}.log", omp)  # fmt: skip
+    cpu_s = _run_logged([sys.executable, str(HERE / "_trl_grpo.py"), str(spec_path), str(result_path)],
+                        workdir / f"trl-{seed}.log", omp)  # fmt: skip
     process_s = time.time() - started
     out = json.loads(result_path.read_text())
     minibatches = config.trainer.minibatches
@@ -184,6 +190,7 @@ def run_trl(workdir: Path, model_dir: Path, steps: int, seed: int, overrides: li
         info=info,
         prompts=[sorted(map(tuple, ids)) for ids in out["prompt_ids"]],
         load=load,
+        cpu_s=cpu_s,
     )
 
 
@@ -199,7 +206,7 @@ def run_arl(label: str, workdir: Path, steps: int, seed: int, staleness: int, ov
            "--max-staleness", str(staleness)]  # fmt: skip
     print(f"-- {label} seed {seed}: arl demo --max-staleness {staleness} ...", flush=True)
     load, started = os.getloadavg()[0], time.time()
-    _run_logged(cmd, workdir / f"{label}-{seed}.log")
+    cpu_s = _run_logged(cmd, workdir / f"{label}-{seed}.log")
     process_s = time.time() - started
     (run_dir,) = [p for p in set(demo_dir.iterdir()) - before if p.is_dir()]
     used = Path(config_from_run_dir(run_dir).model.path).resolve()
@@ -225,15 +232,20 @@ def run_arl(label: str, workdir: Path, steps: int, seed: int, staleness: int, ov
         prompts=_arl_prompts(paths, steps),
         load=load,
         timeline=_arl_timeline(rollout, train),
+        cpu_s=cpu_s,
     )
 
 
-def _run_logged(cmd: list[str], log: Path, env_extra: dict[str, str] | None = None) -> None:
+def _run_logged(cmd: list[str], log: Path, env_extra: dict[str, str] | None = None) -> float:
+    """Run `cmd` to its end; the CPU seconds it and every process it reaped used (user + system)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(log, "wb") as out:
         code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env).returncode
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if code != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])} ... failed (exit {code}); its output ends:\n{log.read_text()[-3000:]}")
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def _arl_timeline(rollout: list[dict[str, Any]], train: list[dict[str, Any]]) -> dict[str, float]:
@@ -241,7 +253,8 @@ def _arl_timeline(rollout: list[dict[str, Any]], train: list[dict[str, Any]]) ->
     step 0 left out (it includes the stages' start-up waits)."""
     out: dict[str, float] = {}
     for stage, rows in (("rollout", rollout[1:]), ("train", train[1:])):
-        keys = sorted({k for r in rows for k in r if k.startswith("time_") or k in ("weight_sync_s", "verify_s")})
+        extra = ("weight_sync_s", "verify_s", "cpu_s")
+        keys = sorted({k for r in rows for k in r if k.startswith("time_") or k in extra})
         for key in keys:
             values = [float(r[key]) for r in rows if isinstance(r.get(key), int | float)]
             if values:
@@ -366,6 +379,8 @@ def summarize(groups: dict[str, list[Run]], rows: dict[str, list[dict[str, Any]]
         figures[f"{label}: s to threshold, whole process, per seed"] = ", ".join(_opt(r["t"], ".1f") for r in each)
         figures[f"{label}: training loop s, mean"] = round(statistics.fmean(r.loop_s for r in groups[label]), 1)
         figures[f"{label}: whole process s, mean"] = round(statistics.fmean(r.process_s for r in groups[label]), 1)
+        figures[f"{label}: CPU s per step, all processes, mean"] = round(
+            statistics.fmean(r.cpu_s / len(r.rewards) for r in groups[label]), 2)  # fmt: skip
         for key in sorted(set().union(*(r.info for r in groups[label]))):
             figures[f"{label}: {key}, last 20%, per seed"] = ", ".join(
                 f"{tail_mean(r.info[key]):.3f}" for r in groups[label] if key in r.info
@@ -408,6 +423,9 @@ def compare(
         overhead = statistics.fmean(r.loop_s / len(r.rewards) for r in groups[label]) - statistics.fmean(
             r.loop_s / len(r.rewards) for r in trl)  # fmt: skip
         ratios[f"{label} pipeline overhead, s per step (loop s/step less TRL's)"] = overhead
+    for label in ("arl-sync", "arl-async"):
+        ratios[f"{label} / TRL CPU seconds, all processes"] = statistics.fmean(r.cpu_s for r in groups[label]) / (
+            statistics.fmean(r.cpu_s for r in trl))  # fmt: skip
     overhead = ratios["arl-async pipeline overhead, s per step (loop s/step less TRL's)"]
     targets[f"arl-async (the demo's setting) pipeline overhead <= {GOAL_OVERHEAD_S:g} s per step"] = (
         "met" if overhead <= GOAL_OVERHEAD_S else "missed") + f" ({overhead:.2f} s)"  # fmt: skip

@@ -5,7 +5,9 @@ are in every run's `metrics/*.jsonl` (and TensorBoard, W&B), and `arl status` pr
 newest trained step. The rollout and the trainer run at the same time (with `max_staleness >= 1` the
 next step is sampled while this one trains), so each stage's intervals add up to that stage's step time,
 not to each other. What the intervals do not cover is listed as `other` (Python between the measured
-parts: planning, metrics, logging).
+parts: planning, metrics, logging). Each stage's line ends with the CPU seconds its process used over the
+step (`cpu_s`): close to the step's wall time means the stage is CPU-bound (the rollout's figure includes the
+in-process proxy and inline agents).
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ def timeline_lines(record: StepRecord) -> list[str]:
                 words[-1] += f" ({', '.join(parts)})"
                 parts = []
             words.append(f"{label} {seconds:.2f}")
+        cpu = record.number(intervals[0].source, "cpu_s")
+        if words and cpu is not None:  # CPU beside wall time: a stage near 1.0 s per second is CPU-bound
+            words.append(f"CPU {cpu:.2f}")
         if words:
             lines.append(f"  {name:<8} " + " · ".join(words))
     return lines

@@ -123,7 +123,7 @@ def open_sink(ctx: StageContext) -> MetricsSink:
 async def produce_step(ro: Rollout, step: int) -> None:
     """One step, start to published (the table of contents of the rollout)."""
     cfg = ro.config.rollout
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     version = await wait_for_version(ro.paths, required_version(step, cfg.max_staleness),
                                      timeout_s=cfg.wait_timeout_s, engine_version=ro.engine.weight_version)  # fmt: skip
     tally = StepTally(step, weight_version=version)
@@ -135,7 +135,9 @@ async def produce_step(ro: Rollout, step: int) -> None:
     written = time.perf_counter()
     publish_step(ro, step, rows, tally)
     stats = tally.summary(rows)
-    stats.update(time_write_s=time.perf_counter() - written, time_step_s=time.perf_counter() - started)
+    # cpu_s: this process's CPU over the step (the proxy and inline agents included; subproc workers not).
+    stats.update(time_write_s=time.perf_counter() - written, time_step_s=time.perf_counter() - started,
+                 cpu_s=time.process_time() - cpu_started)  # fmt: skip
     ro.sink.log(step, stats)
     log.info("step %d published: %d samples, reward mean %s, %d errors, %d rejected, %d stale dropped",
              step, stats["samples"], _fmt(stats["reward_mean"]), tally.agent_errors, tally.rejected,

@@ -45,6 +45,8 @@ class Timings:
     """The trainer's half of a step's timeline (docs/operations.md, "Step timeline")."""
 
     started: float = field(default_factory=time.perf_counter)
+    cpu_started: float = field(default_factory=time.process_time)
+    """CPU time of this process (rank 0) at the step's start: `cpu_s` in the row is what the step used."""
     wait_s: float = 0.0
     load_s: float = 0.0
     """Reading and checking the step's shards."""
@@ -64,7 +66,8 @@ def publish_figures(timings: Timings) -> dict[str, float]:
     """The publication's part of a step's metrics row, and the step's wall time (it ends with the publication)."""
     return {"time_publish_s": timings.publish_s, "weight_sync_s": timings.weight_sync_s,
             "verify_s": timings.verify_s, "servers_recovered": timings.servers_recovered,
-            "time_step_s": time.perf_counter() - timings.started}  # fmt: skip
+            "time_step_s": time.perf_counter() - timings.started,
+            "cpu_s": time.process_time() - timings.cpu_started}  # fmt: skip
 
 
 def step_metrics(

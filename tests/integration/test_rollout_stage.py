@@ -239,6 +239,7 @@ async def test_subproc_sync_agent_with_env_and_dict_rewards(tmp_path: Path, tiny
     parts = ["time_wait_weights_s", "time_runs_s", "time_write_s"]
     assert all(metrics[k] >= 0 for k in parts) and sum(metrics[k] for k in parts) <= metrics["time_step_s"]
     assert 0 < metrics["time_agent_start_s"] < metrics["time_runs_s"]
+    assert metrics["cpu_s"] > 0, "the step's CPU time: the proxy's work at least"
 
 
 async def test_anthropic_workflow_agent(tmp_path: Path, tiny_model_dir: Path, engine_url: str) -> None:

@@ -33,3 +33,8 @@ def test_lines_put_parts_in_parentheses_after_their_interval() -> None:
 def test_rows_without_step_times_have_no_timeline() -> None:
     assert timeline_lines(StepRecord(0, {"reward_mean": 0.1}, {"loss": 0.0})) == []
     assert len(timeline_lines(StepRecord(0, {}, TRAIN_ROW))) == 1
+
+
+def test_a_stage_with_its_cpu_time_says_so_at_the_end_of_its_line() -> None:
+    lines = timeline_lines(StepRecord(4, {**ROLLOUT_ROW, "cpu_s": 1.625}, TRAIN_ROW))
+    assert lines[0].endswith("step 1.75 · CPU 1.62") and "CPU" not in lines[1]
