@@ -140,6 +140,26 @@ def inspect(
     return inspect_path(path, step=step, decode=decode, fmt=fmt.value, output=output, limit=limit)
 
 
+class EvalFormat(StrEnum):
+    table = "table"
+    json = "json"
+
+
+@app.command("eval")
+@_friendly
+def eval_cmd(
+    run_dir: Path = typer.Argument(..., help="The run directory."),
+    step: int | None = typer.Option(None, "--step", help="Evaluate weight version K (0 = the initial model)."),
+    checkpoint: Path | None = typer.Option(None, "--checkpoint", help="Evaluate this model dir (step_<version>)."),
+    set_name: str | None = typer.Option(None, "--set", help="Only the eval set of this name."),
+    fmt: EvalFormat = typer.Option(EvalFormat.table, "--format", help="table (terminal) or json (scripts)."),
+) -> int:
+    """Evaluate one checkpoint on the run's eval sets with an engine of its own (default: the newest checkpoint)."""
+    from pipeline.eval.offline import eval_command
+
+    return eval_command(run_dir, step=step, checkpoint=checkpoint, set_name=set_name, fmt=fmt.value)
+
+
 @app.command()
 @_friendly
 def demo(

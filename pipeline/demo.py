@@ -58,10 +58,17 @@ def demo_file_overrides() -> list[str]:
         if not path.exists():
             raise ArlError(f"the demo's file {path} is missing from the installed arl package; reinstall arl "
                            "(`pip install --force-reinstall arl`, or `pip install -e .` in a checkout)")  # fmt: skip
-    return [
+    overrides = [
         f"rollout.agent={_yaml_str(f'{DEMO_AGENT}:DemoAgent')}",
         f"rollout.dataset.path={_yaml_str(str(DEMO_DATA))}",
     ]
+    sets = ((yaml.safe_load(DEMO_CONFIG.read_text()) or {}).get("eval") or {}).get("sets") or []
+    for spec in sets:  # their data files too (`examples/...` in the config, beside the package's examples)
+        path = Path(spec["path"])
+        spec["path"] = str(path if path.is_absolute() else EXAMPLES / path.relative_to("examples"))
+    if sets:
+        overrides.append(f"eval.sets={json.dumps(sets)}")
+    return overrides
 
 
 def run_demo(

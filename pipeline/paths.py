@@ -87,6 +87,15 @@ class RunPaths:
     def step_manifest(self, step: int) -> Path:
         return self.step_dir(step) / MANIFEST
 
+    # -- evaluation -----------------------------------------------------------------------
+    @property
+    def evaluations(self) -> Path:
+        return self.root / "eval"
+
+    def eval_dir(self, version: int, set_name: str) -> Path:
+        """The shards of one evaluation: weight version `version` on the eval set `set_name`."""
+        return self.evaluations / step_name(version) / set_name
+
     @staticmethod
     def shard_name(producer: str, seq: int) -> str:
         return f"part-{producer}-{seq:05d}.parquet"
@@ -170,6 +179,10 @@ class RunPaths:
     @property
     def train_metrics(self) -> Path:
         return self.metrics / "train.jsonl"
+
+    @property
+    def eval_metrics(self) -> Path:
+        return self.metrics / "eval.jsonl"
 
     @property
     def tensorboard(self) -> Path:

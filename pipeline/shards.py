@@ -39,7 +39,7 @@ from pydantic import ValidationError
 
 from pipeline.errors import ArlError, SchemaError
 from pipeline.handoff import publish_dir, staging_dir
-from pipeline.paths import MANIFEST, RunPaths, step_name
+from pipeline.paths import MANIFEST, RunPaths
 from schemas.manifest import Manifest, PartEntry, Totals, VersionRange
 from schemas.trajectory import (
     FINISH_REASONS,
@@ -91,8 +91,10 @@ def write_step(
     tokenizer: str,
     extra: dict | None = None,
     rows_per_part: int = 4096,
+    dest: Path | None = None,
 ) -> Manifest:
-    """Validate `rows`, write them as parts + manifest, and publish the step atomically (replacing it)."""
+    """Validate `rows`, write them as parts + manifest, and publish the step atomically (replacing it), in
+    `paths.step_dir(step)` or in `dest` (an evaluation's directory: the same layout, read by the same tools)."""
     if not _PRODUCER_RE.match(producer):
         raise ValueError(f"producer {producer!r} must match {_PRODUCER_RE.pattern} (it is part of file names)")
     if rows_per_part < 1:
@@ -104,9 +106,9 @@ def write_step(
                           f"{step} must have step={step} (assign it with `row.at_step({step})`)")  # fmt: skip
     table = rows_to_table(rows, tokenizer)
     validate_table_fast(table, where=where)
-    final = paths.step_dir(step)
+    final = dest if dest is not None else paths.step_dir(step)
     # A writer killed earlier left its staging dir behind; only this step's leftovers are ours to remove.
-    for leftover in final.parent.glob(f"{step_name(step)}.*.tmp") if final.parent.exists() else []:
+    for leftover in final.parent.glob(f"{final.name}.*.tmp") if final.parent.exists() else []:
         _remove(leftover)
     with staging_dir(final) as staged:
         parts = []

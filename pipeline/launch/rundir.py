@@ -29,6 +29,7 @@ RESUMABLE = (
     "num_steps",
     "cluster",
     "metrics",
+    "eval",
     "inference.num_servers",
     "inference.host",
     "inference.port",

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import httpx
 
 from pipeline.errors import ArlError
+from schemas.api.rl import SamplingOverride
 
 if TYPE_CHECKING:
     from schemas.trajectory import TrajectoryRow
@@ -93,8 +94,10 @@ class ProxyControl(Protocol):
         """Admit `count` more sessions through the capacity gate (`proxy.require_capacity`)."""
         ...
 
-    async def start_session(self, group_id: str | None = None, metadata: dict[str, Any] | None = None) -> SessionInfo:
-        """A new session; `NoCapacity` while the gate or `proxy.max_sessions` holds it back."""
+    async def start_session(self, group_id: str | None = None, metadata: dict[str, Any] | None = None,
+                            sampling: SamplingOverride | None = None) -> SessionInfo:  # fmt: skip
+        """A new session (its calls sampled as `sampling` imposes, if given); `NoCapacity` while the gate or
+        `proxy.max_sessions` holds it back."""
         ...
 
     async def set_reward(self, session_id: str, reward: float, interaction_id: str | None = None) -> None:
@@ -148,10 +151,13 @@ class HttpControl:
     async def grant_capacity(self, count: int = 1) -> None:
         await _post(self.http, f"{self.url}/grant_capacity", self.key, {"count": count})
 
-    async def start_session(self, group_id: str | None = None, metadata: dict[str, Any] | None = None) -> SessionInfo:
+    async def start_session(self, group_id: str | None = None, metadata: dict[str, Any] | None = None,
+                            sampling: SamplingOverride | None = None) -> SessionInfo:  # fmt: skip
         body: dict[str, Any] = {"metadata": metadata or {}}
         if group_id is not None:
             body["group_id"] = group_id
+        if sampling is not None:
+            body["sampling"] = sampling.model_dump(exclude_none=True)
         data = await _post(self.http, f"{self.url}/rl/start_session", self.key, body)
         try:
             return SessionInfo(session_id=str(data["session_id"]), api_key=str(data["api_key"]))

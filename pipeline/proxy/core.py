@@ -24,6 +24,7 @@ from pipeline.proxy.sessions import Session
 from pipeline.proxy.streaming import IncrementalDetokenizer, StopHolder, cut_at_stop
 from pipeline.proxy.tokenize import ChatTokenizer, check_context
 from pipeline.trajectory import Interaction
+from schemas.api.rl import SamplingOverride
 from schemas.config.model import ModelConfig
 from schemas.config.proxy import ProxyConfig
 
@@ -98,6 +99,10 @@ class StreamItem:
     done: Completion | None = None
 
 
+def _first(imposed: float | None, asked: float | None) -> float | None:
+    return imposed if imposed is not None else asked
+
+
 class Generator:
     """Prepares prompts token-exactly, calls the engine, parses, records (see module docstring)."""
 
@@ -136,7 +141,8 @@ class Generator:
             prompt_ids = self.tokenizer.encode(text + prefill)
         room = check_context(len(prompt_ids), self.model.max_context)
         wanted = spec.max_tokens if spec.max_tokens is not None else self.proxy.default_max_tokens
-        max_new = max(1, min(wanted, self.proxy.max_tokens_limit, room))
+        imposed = session.sampling.max_tokens if session.sampling is not None else None
+        max_new = max(1, min(wanted, imposed or wanted, self.proxy.max_tokens_limit, room))
         return Prepared(prompt_ids, parent, reason is not None, reason, keys, tkey, render_tools, prefill,
                         tool_parser, max_new, text)  # fmt: skip
 
@@ -160,15 +166,20 @@ class Generator:
             return tools, cls.prefill(None), parser
         return tools, "", parser
 
-    def sampling_params(self, spec: CallSpec, prep: Prepared, index: int) -> dict[str, Any]:
+    def sampling_params(self, spec: CallSpec, prep: Prepared, index: int,
+                        imposed: SamplingOverride | None = None) -> dict[str, Any]:  # fmt: skip
+        """The engine's sampling parameters for choice `index`; `imposed` (the session's) wins over the call's."""
         params: dict[str, Any] = {
             "max_new_tokens": prep.max_new_tokens,
             "stop_token_ids": sorted(self.tokenizer.stop_token_ids),
         }
-        if spec.temperature is not None:
-            params["temperature"] = spec.temperature
-        if spec.top_p is not None:
-            params["top_p"] = spec.top_p
+        imposed = imposed or SamplingOverride()
+        temperature = _first(imposed.temperature, spec.temperature)
+        top_p = _first(imposed.top_p, spec.top_p)
+        if temperature is not None:
+            params["temperature"] = temperature
+        if top_p is not None:
+            params["top_p"] = top_p
         if spec.top_k is not None and spec.top_k > 0:
             params["top_k"] = spec.top_k
         if spec.stop:
@@ -184,7 +195,8 @@ class Generator:
         session.inflight += 1
         try:
             results = await asyncio.gather(*(
-                self._generate(prep.prompt_ids, self.sampling_params(spec, prep, i), session.id, spec.top_logprobs)
+                self._generate(prep.prompt_ids, self.sampling_params(spec, prep, i, session.sampling), session.id,
+                               spec.top_logprobs)
                 for i in range(len(ids))
             ))  # fmt: skip
         finally:
@@ -272,8 +284,8 @@ class Generator:
         versions: list[int] = []
         reason, version = "stop", None
         try:
-            async for chunk in self.engine.generate_stream(prep.prompt_ids, self.sampling_params(spec, prep, index),
-                                                           sticky_key=session.id,
+            params = self.sampling_params(spec, prep, index, session.sampling)
+            async for chunk in self.engine.generate_stream(prep.prompt_ids, params, sticky_key=session.id,
                                                            top_logprobs_num=spec.top_logprobs):  # fmt: skip
                 version = chunk.weight_version if chunk.weight_version is not None else version
                 ids.extend(chunk.new_ids)

@@ -18,6 +18,7 @@ from pipeline.proxy.control import ExportedSession, NoCapacity, ProxyAPIError, S
 from pipeline.proxy.errors import ApiError
 from pipeline.proxy.sessions import Session, SessionStore
 from pipeline.trajectory import EXPORT_STYLES, ExportStyle
+from schemas.api.rl import SamplingOverride
 
 OWNER = "admin"
 """Sessions started in process belong to the admin, as if started with the admin key."""
@@ -45,9 +46,10 @@ class LocalControl:
     async def grant_capacity(self, count: int = 1) -> None:
         self.store.grant(count)
 
-    async def start_session(self, group_id: str | None = None, metadata: dict[str, Any] | None = None) -> SessionInfo:
+    async def start_session(self, group_id: str | None = None, metadata: dict[str, Any] | None = None,
+                            sampling: SamplingOverride | None = None) -> SessionInfo:  # fmt: skip
         with _as_proxy_errors():
-            session = self.store.start(OWNER, group_id, metadata or {})
+            session = self.store.start(OWNER, group_id, metadata or {}, sampling)
         return SessionInfo(session.id, session.api_key)
 
     async def set_reward(self, session_id: str, reward: float, interaction_id: str | None = None) -> None:

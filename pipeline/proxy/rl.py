@@ -45,7 +45,7 @@ def start_session(store: SessionStore, caller: Caller, body: StartSessionRequest
     if caller.kind not in ("admin", "client"):
         raise ApiError(403, "starting a session needs the admin key or a client key, not a session key")
     body = body or StartSessionRequest()
-    session = store.start(caller.owner, body.group_id, body.metadata)
+    session = store.start(caller.owner, body.group_id, body.metadata, body.sampling)
     return {"session_id": session.id, "api_key": session.api_key, "group_id": session.tree.group_id}
 
 

@@ -44,6 +44,7 @@ from pipeline.proxy.control import RUN_STATUSES, ExportedSession
 from pipeline.proxy.errors import ApiError
 from pipeline.proxy.messages import MessageKey, common_prefix_len, prefix_hashes
 from pipeline.trajectory import ExportStyle, Interaction, SessionTree, TrajectoryError
+from schemas.api.rl import SamplingOverride
 from schemas.config.proxy import ProxyConfig
 
 log = logging.getLogger("arl.proxy.sessions")
@@ -121,6 +122,8 @@ class Session:
     by_id: dict[str, _Node] = field(default_factory=dict)
     completions: dict[str, list[str]] = field(default_factory=dict)  # API response id -> interaction ids
     responses: dict[str, Any] = field(default_factory=dict)  # Responses API: response id -> stored chain
+    sampling: SamplingOverride | None = None
+    """Imposed on every call of the session (an evaluation's decoding), whatever the agent asks."""
 
     @property
     def api_key(self) -> str:
@@ -262,7 +265,8 @@ class SessionStore:
     def open_count(self) -> int:
         return self._open
 
-    def start(self, owner: str, group_id: str | None, metadata: dict | None) -> Session:
+    def start(self, owner: str, group_id: str | None, metadata: dict | None,
+              sampling: SamplingOverride | None = None) -> Session:  # fmt: skip
         if self.config.require_capacity and self.grants < 1:
             raise ApiError(429, "no capacity: the rollout has not granted a session slot yet "
                            "(proxy.require_capacity; an admin grants slots with POST /grant_capacity)")  # fmt: skip
@@ -273,7 +277,7 @@ class SessionStore:
             self.grants -= 1
         session_id = uuid.uuid4().hex[:_ID_LEN]
         tree = SessionTree(session_id, group_id or session_id, metadata)
-        session = Session(session_id, secrets.token_urlsafe(24), owner, tree)
+        session = Session(session_id, secrets.token_urlsafe(24), owner, tree, sampling=sampling)
         self.sessions[session_id] = session
         self._open += 1
         self.started_total += 1

@@ -32,6 +32,7 @@ from pipeline.rollout.progress import StepProgress
 from pipeline.rollout.runner import Executor, InlineExecutor, RunContext, RunReport, SubprocExecutor
 from pipeline.rollout.staleness import required_version, split_stale, wait_for_version
 from pipeline.stage import StageContext
+from schemas.api.rl import SamplingOverride
 from schemas.config import ArlConfig
 from schemas.trajectory import TrajectoryRow
 
@@ -210,16 +211,17 @@ def with_agent_metrics(row: TrajectoryRow, metrics: dict[str, float]) -> Traject
     return dataclasses.replace(row, metadata=json.dumps(metadata, sort_keys=True, default=str))
 
 
-async def admit_session(control: ProxyControl, group_id: str, metadata: dict[str, Any],
-                        patience_s: float) -> SessionInfo:  # fmt: skip
-    """Grant one unit of capacity and start the session; retry briefly while the proxy is full (429)."""
+async def admit_session(control: ProxyControl, group_id: str, metadata: dict[str, Any], patience_s: float,
+                        sampling: SamplingOverride | None = None) -> SessionInfo:  # fmt: skip
+    """Grant one unit of capacity and start the session (with `sampling` imposed on its calls, if given); retry
+    briefly while the proxy is full (429)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + patience_s
     delay = 0.05
     await control.grant_capacity()
     while True:
         try:
-            return await control.start_session(group_id, metadata)
+            return await control.start_session(group_id, metadata, sampling)
         except NoCapacity as exc:
             if loop.time() > deadline:
                 raise ArlError(f"the proxy refused new sessions for {patience_s:g}s ({exc}); raise proxy.max_sessions "

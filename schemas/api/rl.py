@@ -9,11 +9,23 @@ from pydantic import Field
 from schemas.api.base import Strict
 
 
+class SamplingOverride(Strict):
+    """Sampling the proxy imposes on every LLM call of a session, whatever the agent asks (an evaluation's
+    greedy decoding, say, with an agent that always sends its own temperature). Unset fields are left to the call."""
+
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    """An upper bound: a call asking for fewer tokens gets fewer."""
+
+
 class StartSessionRequest(Strict):
     group_id: str | None = Field(default=None, min_length=1, max_length=256)
     """GRPO group of the session's samples; default: the session id (a group of one)."""
     metadata: dict[str, Any] | None = None
     """Stored in every exported row's `metadata` (dataset index, user fields)."""
+    sampling: SamplingOverride | None = None
+    """Imposed on every call of the session (see `SamplingOverride`)."""
 
 
 class StartSessionResponse(Strict):

@@ -12,6 +12,7 @@ from pydantic_core import PydanticCustomError
 
 from schemas.config.base import UNSUPPORTED, Block
 from schemas.config.cluster import ClusterConfig, StageResources
+from schemas.config.eval import EvalConfig, EvalSetConfig
 from schemas.config.inference import InferenceConfig, replica_flags
 from schemas.config.metrics import MetricsConfig, WandbConfig
 from schemas.config.model import ModelConfig
@@ -24,6 +25,8 @@ __all__ = [
     "ArlConfig",
     "ClusterConfig",
     "DatasetConfig",
+    "EvalConfig",
+    "EvalSetConfig",
     "InferenceConfig",
     "MegatronConfig",
     "MetricsConfig",
@@ -58,6 +61,8 @@ class ArlConfig(Block):
     """Algorithm, optimizer, checkpoints, weight publication."""
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     """Metrics sinks beyond JSONL and TensorBoard (W&B)."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Held-out evaluation sets (`arl eval`)."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     """Slurm resources per stage."""
 

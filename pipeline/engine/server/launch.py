@@ -78,8 +78,8 @@ def run_inference(ctx: StageContext, *, stop: threading.Event | None = None) -> 
     retire_orphans(paths, attempt)
     try:
         for index, port in zip(server_indices(config), _ports(config), strict=True):
-            servers.append(_start(paths, config, index, port, model_path, version, attempt))
-        _wait_healthy(servers, config.inference.startup_timeout_s, stop)
+            servers.append(start_server(paths, config, index, port, model_path, version, attempt))
+        wait_healthy(servers, config.inference.startup_timeout_s, stop)
         if stop.is_set():  # stopped while starting: nothing was ready, nothing is registered
             log.info("stop requested while the servers were starting: stopping them")
             return 0
@@ -89,7 +89,7 @@ def run_inference(ctx: StageContext, *, stop: threading.Event | None = None) -> 
 
         def restart(old: RunningServer) -> RunningServer:
             path, weights = initial_weights(paths, config)
-            return _start(paths, config, old.index, old.port, path, weights, attempt)
+            return start_server(paths, config, old.index, old.port, path, weights, attempt)
 
         supervisor = Supervisor(paths, servers, restart, max_restarts=config.inference.max_restarts,
                                 startup_timeout_s=config.inference.startup_timeout_s)  # fmt: skip
@@ -119,12 +119,14 @@ def _ports(config: ArlConfig) -> list[int]:
     return ports
 
 
-def _start(
-    paths: RunPaths, config: ArlConfig, index: int, port: int, model_path: str, version: int, attempt: int
+def start_server(
+    paths: RunPaths, config: ArlConfig, index: int, port: int, model_path: str, version: int, attempt: int,
+    *, stage: str = "inference",
 ) -> RunningServer:
+    """Start server `index`'s processes (not waiting for them), logging to `logs/<stage>/server-<index>...`."""
     inf = config.inference
     url = f"http://{public_host(inf.host)}:{port}"
-    log_path = paths.stage_logs("inference") / f"server-{index}.attempt_{attempt}.log"
+    log_path = paths.stage_logs(stage) / f"server-{index}.attempt_{attempt}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     specs = server_procs(config, host=inf.host, port=port, model_path=model_path, version=version)
     procs: list[subprocess.Popen[bytes]] = []
@@ -173,7 +175,8 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
-def _wait_healthy(servers: list[RunningServer], timeout_s: float, stop: threading.Event) -> None:
+def wait_healthy(servers: list[RunningServer], timeout_s: float, stop: threading.Event) -> None:
+    """Until every server answers `/health` (or `stop` is set); `ServerDied` or `WaitTimeout` naming it and its log."""
     deadline = time.monotonic() + timeout_s
     pending = list(servers)
     with httpx.Client(timeout=2.0) as http:
