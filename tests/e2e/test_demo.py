@@ -119,7 +119,7 @@ def check_arl_eval(run_dir: Path, cwd: Path) -> None:
                            env=_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
     assert shown.returncode == 0 and "90" in shown.stdout, shown.stdout + shown.stderr
     for bad, says in ((["--step", "9"], "no complete checkpoint of version 9"),
-                      (["--set", "nope"], "no evaluation set named 'nope'; it has: repeat-greedy")):  # fmt: skip
+                      (["--set", "nope"], "no evaluation set named 'nope' in the run's config; it has: repeat-greedy")):  # fmt: skip
         refused = subprocess.run([*arl, "eval", str(run_dir), *bad], cwd=cwd, env=_env(), capture_output=True,
                                  text=True, timeout=120)  # fmt: skip
         assert refused.returncode == 2 and says in refused.stderr and len(refused.stderr.splitlines()) == 1, (
