@@ -22,6 +22,7 @@ from typing import Any
 
 from pipeline.errors import ArlError
 from pipeline.eval.runner import SetResult, Where, evaluate_set
+from pipeline.metrics import MetricsSink
 from pipeline.paths import RunPaths, parse_step_name
 from schemas.config import ArlConfig, EvalSetConfig
 
@@ -43,8 +44,13 @@ def eval_command(run_dir: Path, *, step: int | None, checkpoint: Path | None, se
     from pipeline.logs import run_async
 
     results = run_async(evaluate_checkpoint(paths, config, sets, model_path, version))
-    for result in results:
-        record(paths, config, result, model_path)
+    sinks = open_sinks(paths, config)
+    try:
+        for result in results:
+            record(paths, config, result, model_path)
+            sinks.log(result.version, {f"{result.name}/{k}": v for k, v in result.figures.items()})
+    finally:
+        sinks.close()
     print_results(results, fmt, model_path)
     return 0
 
@@ -113,6 +119,19 @@ async def evaluate_checkpoint(paths: RunPaths, config: ArlConfig, sets: list[Eva
                 await proxy.stop()
     finally:
         await asyncio.to_thread(terminate, server)
+
+
+def open_sinks(paths: RunPaths, config: ArlConfig) -> MetricsSink:
+    """TensorBoard (`metrics/tb/eval`, series `eval/<set>/<figure>` by weight version) and the run's W&B `eval`
+    run when `metrics.wandb` is set. W&B keeps one step order per run: an evaluation of a version below one it
+    already holds is dropped there (the JSONL line and TensorBoard keep it)."""
+    from pipeline.metrics import MultiSink, TensorBoardSink, open_wandb
+
+    wandb = open_wandb(config, paths, EVAL_STAGE, prefix="eval")
+    try:
+        return MultiSink(TensorBoardSink(paths.tensorboard / EVAL_STAGE, "eval"), wandb)
+    except ImportError:  # tensorboard is optional; eval.jsonl is the record
+        return MultiSink(wandb)
 
 
 def record(paths: RunPaths, config: ArlConfig, result: SetResult, model_path: str) -> None:

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from pipeline.console import fit_columns, people_console, table_width
 from pipeline.errors import ArlError, SchemaError
+from pipeline.eval.results import evaluation_lines
 from pipeline.launch.jobs import JobRecord, latest, read_jobs, update_record
 from pipeline.launch.state import JobState, pid_is_ours, record_states, unhealthy_nodes
 from pipeline.paths import RunPaths
@@ -58,6 +59,11 @@ def show_status(run_dir: str | Path, *, console: Console | None = None) -> int:
             console.print(f"step {trained[-1].step} timeline, seconds (docs/operations.md, \"Step timeline\"):")
             for line in lines:
                 console.print(line, markup=False, highlight=False, soft_wrap=True)
+    evaluations = evaluation_lines(paths)
+    if evaluations:
+        console.print("evaluations (arl eval; the newest of each version and set, docs/evaluation.md):")
+        for line in evaluations:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
     dead = died(newest, states)
     for record in dead:
         for line in death_report(record, states[(record.stage, record.attempt)], paths):

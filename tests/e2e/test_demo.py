@@ -115,11 +115,15 @@ def check_arl_eval(run_dir: Path, cwd: Path) -> None:
     assert line["pass@1"] == sum(exact) / 90 == manifest.extra["pass@1"]
     (logged,) = [json.loads(x) for x in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()]
     assert logged["pass@1"] == line["pass@1"] and logged["step"] == STEPS
+    assert list((run_dir / "metrics" / "tb" / "eval").glob("events.out.tfevents.*")), "TensorBoard has the figures"
+    status = subprocess.run([*arl, "status", str(run_dir)], cwd=cwd, env={**_env(), "COLUMNS": "200"},
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert f"version {STEPS}" in status.stdout and f"pass@1 {line['pass@1']:.3f}" in status.stdout, status.stdout
     shown = subprocess.run([*arl, "inspect", str(run_dir / "eval" / f"step_{STEPS:06d}" / "repeat-greedy")], cwd=cwd,
                            env=_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
     assert shown.returncode == 0 and "90" in shown.stdout, shown.stdout + shown.stderr
-    for bad, says in ((["--step", "9"], "no complete checkpoint of version 9"),
-                      (["--set", "nope"], "no evaluation set named 'nope' in the run's config; it has: repeat-greedy")):  # fmt: skip
+    unknown_set = "no evaluation set named 'nope' in the run's config; it has: repeat-greedy"
+    for bad, says in ((["--step", "9"], "no complete checkpoint of version 9"), (["--set", "nope"], unknown_set)):
         refused = subprocess.run([*arl, "eval", str(run_dir), *bad], cwd=cwd, env=_env(), capture_output=True,
                                  text=True, timeout=120)  # fmt: skip
         assert refused.returncode == 2 and says in refused.stderr and len(refused.stderr.splitlines()) == 1, (

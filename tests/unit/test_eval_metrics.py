@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from math import comb
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +61,22 @@ def test_eval_sets_check_k_and_names_and_default_to_greedy_for_one_sample() -> N
         validate_config({"eval": {"sets": [{"name": "b", "path": "x.jsonl", "num_samples": 8, "pass_at": [9]}]}})
     with pytest.raises(ConfigError, match=r"the names \['a'\] are used twice"):
         validate_config({"eval": {"sets": [{"name": "a", "path": "x"}, {"name": "a", "path": "y"}]}})
+
+
+def test_the_newest_line_of_each_version_and_set_wins_and_a_cut_line_is_skipped(tmp_path: Path) -> None:
+    from pipeline.eval.results import evaluation_lines, latest_evaluations
+    from pipeline.paths import RunPaths
+
+    paths = RunPaths(tmp_path)
+    paths.eval_metrics.parent.mkdir(parents=True)
+    lines = [
+        {"version": 4, "set": "b", "reward_mean": 0.5, "pass@1": 0.25, "prompts": 8, "num_samples": 1},
+        {"version": 2, "set": "a", "reward_mean": 0.1, "pass@1": 0.0},
+        {"version": 4, "set": "b", "reward_mean": 0.75, "pass@1": 0.5, "prompts": 8, "num_samples": 1},
+    ]
+    paths.eval_metrics.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"version": 9, "se')
+    newest = [(r["version"], r["set"], r["reward_mean"]) for r in latest_evaluations(paths)]
+    assert newest == [(2, "a", 0.1), (4, "b", 0.75)]
+    shown = evaluation_lines(paths)
+    assert shown[-1].split() == ["version", "4", "b", "reward", "0.750", "·", "pass@1", "0.500", "(8", "prompts",
+                                 "x", "1)"]  # fmt: skip
