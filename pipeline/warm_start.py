@@ -50,14 +50,10 @@ class WarmStartResult:
 
 def load_corpus(path: Path) -> list[tuple[list[dict[str, Any]], str]]:
     """The corpus's `(messages, reply)` rows; errors name the file and line."""
+    from pipeline.rollout.data import numbered_jsonl
+
     rows = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ArlError(f"{path}:{number}: not a JSON object: {exc}") from None
+    for number, row in numbered_jsonl(Path(path)):
         messages, reply = row.get("messages"), row.get("reply")
         if not isinstance(messages, list) or not messages or not isinstance(reply, str) or not reply:
             raise ArlError(f"{path}:{number}: a warm-start row needs 'messages' (a non-empty list of chat "

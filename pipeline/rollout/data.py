@@ -83,8 +83,14 @@ def load_rows(config: DatasetConfig) -> Rows:
 
 
 def _load_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    return [row for _, row in numbered_jsonl(path)]
+
+
+def numbered_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """A JSONL file's objects with their line numbers (blank lines skipped); a line that is not a JSON object is a
+    `DataError` naming the file and line."""
+    rows: list[tuple[int, dict[str, Any]]] = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -93,7 +99,7 @@ def _load_jsonl(path: Path) -> list[dict[str, Any]]:
             raise DataError(f"{path}:{number} is not valid JSON: {exc}") from None
         if not isinstance(row, dict):
             raise DataError(f"{path}:{number} holds a {type(row).__name__}; every line must be a JSON object")
-        rows.append(row)
+        rows.append((number, row))
     return rows
 
 
