@@ -24,6 +24,7 @@ from pipeline.errors import ArlError
 from pipeline.eval.runner import SetResult, Where, evaluate_set
 from pipeline.metrics import MetricsSink
 from pipeline.paths import RunPaths, parse_step_name
+from pipeline.rollout.loop import sort_key
 from schemas.config import ArlConfig, EvalSetConfig
 
 EVAL_STAGE = "eval"
@@ -109,8 +110,8 @@ async def evaluate_checkpoint(paths: RunPaths, config: ArlConfig, sets: list[Eva
             proxy = ProxyServer(config.model, config.proxy.model_copy(update={"port": 0}), engine,
                                 admin_key="arl-eval-" + secrets.token_urlsafe(16))  # fmt: skip
             url = await proxy.start()
-            app = proxy.app if config.rollout.agent_transport == "in_process" else None
-            http = agent_http_client(max(s.run_timeout_s for s in sets) + 60, proxy_url=url, proxy_app=app)
+            http = agent_http_client(max(s.run_timeout_s for s in sets) + 60, proxy_url=url, proxy_app=proxy.app,
+                                     transport=config.rollout.agent_transport)  # fmt: skip
             try:
                 where = Where(proxy.control, url, http)
                 return [await evaluate_set(spec, config, where, version) for spec in sets]
@@ -140,7 +141,7 @@ def record(paths: RunPaths, config: ArlConfig, result: SetResult, model_path: st
     from pipeline.shards import write_step
 
     tokenizer = config.model.tokenizer or config.model.path
-    rows = sorted(result.rows, key=lambda r: (r.group_id, r.session_id, r.sample_id))
+    rows = sorted(result.rows, key=sort_key)
     write_step(paths, result.version, rows, producer="eval", tokenizer=tokenizer, extra=result.figures,
                dest=paths.eval_dir(result.version, result.name))  # fmt: skip
     # `step` (the JSONL sinks' key) is the version: one line per (version, set), a later evaluation after it.

@@ -1,7 +1,7 @@
 """Run one evaluation set through the proxy: every prompt `num_samples` times, each run its own session.
 
-A run goes the way a rollout run does (`pipeline.rollout.loop`: admitted, the agent, rewards, end, export),
-with two differences: the session imposes the set's sampling on every call (`SamplingOverride`: greedy by
+A run goes the way a rollout run does (`pipeline.rollout.loop.drive_session`: admitted, the agent, rewards,
+end, export), with two differences: the session imposes the set's sampling on every call (`SamplingOverride`: greedy by
 default for one sample, whatever temperature the agent sends), and nothing it produces is a training
 sample: the exported rows are written as the evaluation's own shards, never under `trajectories/`.
 
@@ -23,15 +23,8 @@ from pipeline.outcome import Outcome
 from pipeline.proxy.control import ExportedSession, ProxyControl
 from pipeline.rollout.agents import resolve_agent
 from pipeline.rollout.data import load_rows
-from pipeline.rollout.loop import (
-    admit_session,
-    apply_rewards,
-    end_quietly,
-    export_session,
-    make_executor,
-    with_agent_metrics,
-)
-from pipeline.rollout.runner import Executor, RunContext
+from pipeline.rollout.loop import SessionPlan, drive_session, make_executor, with_agent_metrics
+from pipeline.rollout.runner import Executor
 from schemas.api.rl import SamplingOverride
 from schemas.config import ArlConfig, DatasetConfig, EvalSetConfig
 from schemas.trajectory import TrajectoryRow
@@ -99,14 +92,9 @@ async def _run(spec: EvalSetConfig, config: ArlConfig, where: Where, executor: E
                data: dict[str, Any], index: int, sample: int,
                version: int) -> tuple[RunResult, list[TrajectoryRow]]:  # fmt: skip
     metadata = {"eval_set": spec.name, "dataset_index": index, "run_index": sample, "version": version}
-    session = await admit_session(where.control, f"eval-{spec.name}-v{version}-p{index}", metadata,
-                                  spec.run_timeout_s, sampling)  # fmt: skip
-    context = RunContext(where.proxy_url, session, sampling.temperature if sampling.temperature is not None else 1.0)
-    report = await executor.run(data, context, spec.run_timeout_s)
-    report = await apply_rewards(where.control, session.session_id, report)
-    await end_quietly(where.control, session.session_id)
-    exported = await export_session(where.control, session.session_id, config.rollout.export_style,
-                                    config.rollout.discount)  # fmt: skip
+    temperature = sampling.temperature if sampling.temperature is not None else 1.0
+    plan = SessionPlan(f"eval-{spec.name}-v{version}-p{index}", metadata, spec.run_timeout_s, temperature, sampling)
+    report, exported = await drive_session(where.control, where.proxy_url, executor, data, plan, config)
     outcome = report.outcome
     if outcome is None or outcome.rejected or exported is None:
         why = "rejected by the agent" if outcome is not None and outcome.rejected else report.error

@@ -173,9 +173,9 @@ class Generator:
             "max_new_tokens": prep.max_new_tokens,
             "stop_token_ids": sorted(self.tokenizer.stop_token_ids),
         }
-        imposed = imposed or SamplingOverride()
-        temperature = _first(imposed.temperature, spec.temperature)
-        top_p = _first(imposed.top_p, spec.top_p)
+        temperature, top_p = spec.temperature, spec.top_p
+        if imposed is not None:  # no model built per call: this runs for every choice of every call
+            temperature, top_p = _first(imposed.temperature, temperature), _first(imposed.top_p, top_p)
         if temperature is not None:
             params["temperature"] = temperature
         if top_p is not None:

@@ -176,19 +176,12 @@ def run_concurrency(config: ArlConfig) -> int:
 async def run_session(ro: Rollout, step: int, prompt: Prompt, run_index: int, tally: StepTally) -> list[TrajectoryRow]:
     """One agent run in its own proxy session; its samples (none if rejected or failed)."""
     cfg = ro.config.rollout
-    group_id = f"step{step:06d}-p{prompt.position}"
     metadata = {"step": step, "dataset_index": prompt.index, "epoch": prompt.epoch,
                 "position": prompt.position, "run_index": run_index}  # fmt: skip
-    session = await admit_session(ro.control, group_id, metadata, cfg.run_timeout_s)
-    report = await ro.executor.run(prompt.data, RunContext(ro.proxy_url, session, cfg.temperature), cfg.run_timeout_s)
-    report = await apply_rewards(ro.control, session.session_id, report)
-    await end_quietly(ro.control, session.session_id)
-    exported = await export_session(ro.control, session.session_id, cfg.export_style, cfg.discount)
-    if exported is None:
-        report = RunReport(None, report.error or "the session could not be exported (see the warning above)",
-                           report.timed_out, report.duration_s)  # fmt: skip
+    plan = SessionPlan(f"step{step:06d}-p{prompt.position}", metadata, cfg.run_timeout_s, cfg.temperature)
+    report, exported = await drive_session(ro.control, ro.proxy_url, ro.executor, prompt.data, plan, ro.config)
     if report.outcome is None or exported is None:
-        log.warning("agent run failed (session %s, dataset row %d):\n%s", session.session_id, prompt.index,
+        log.warning("agent run failed (session %s, dataset row %d):\n%s", plan.session_id, prompt.index,
                     report.error)  # fmt: skip
         tally.add_error(report.error or "unknown error", timed_out=report.timed_out)
         return []
@@ -199,6 +192,36 @@ async def run_session(ro: Rollout, step: int, prompt: Prompt, run_index: int, ta
                        prefix_breaks=exported.prefix_breaks, samples=len(samples), metrics=metrics,
                        first_call_s=exported.first_call_s)  # fmt: skip
     return [] if rejected else samples
+
+
+@dataclass
+class SessionPlan:
+    """What one run's session is: its group, metadata, deadline, the temperature the agent is told, and any
+    sampling the session imposes (evaluation's). `session_id` is filled in once the proxy admits it."""
+
+    group_id: str
+    metadata: dict[str, Any]
+    timeout_s: float
+    temperature: float
+    sampling: SamplingOverride | None = None
+    session_id: str = ""
+
+
+async def drive_session(control: ProxyControl, proxy_url: str, executor: Executor, data: dict[str, Any],
+                        plan: SessionPlan, config: ArlConfig) -> tuple[RunReport, ExportedSession | None]:  # fmt: skip
+    """One run, the way rollout and evaluation both do it: admitted, the agent, rewards, end, export. The report
+    carries an error when the session could not be exported (the run is then lost, not the step)."""
+    session = await admit_session(control, plan.group_id, plan.metadata, plan.timeout_s, plan.sampling)
+    plan.session_id = session.session_id
+    report = await executor.run(data, RunContext(proxy_url, session, plan.temperature), plan.timeout_s)
+    report = await apply_rewards(control, session.session_id, report)
+    await end_quietly(control, session.session_id)
+    exported = await export_session(control, session.session_id, config.rollout.export_style,
+                                    config.rollout.discount)  # fmt: skip
+    if exported is None:
+        report = RunReport(None, report.error or "the session could not be exported (see the warning above)",
+                           report.timed_out, report.duration_s)  # fmt: skip
+    return report, exported
 
 
 def with_agent_metrics(row: TrajectoryRow, metrics: dict[str, float]) -> TrajectoryRow:

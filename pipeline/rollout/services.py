@@ -113,8 +113,8 @@ async def open_services(
     http = None
     try:
         url = await proxy.start()
-        app = proxy.app if config.rollout.agent_transport == "in_process" else None
-        http = agent_http_client(config.rollout.run_timeout_s + 60, proxy_url=url, proxy_app=app)
+        http = agent_http_client(config.rollout.run_timeout_s + 60, proxy_url=url, proxy_app=proxy.app,
+                                 transport=config.rollout.agent_transport)  # fmt: skip
         write_json_atomic(entry, registry_entry(url))
         log.info("proxy %s serving at %s (registry entry %s)", name, url, entry)
         yield Services(engine=engine, proxy=proxy, control=proxy.control, proxy_url=url, http=http)
@@ -126,10 +126,11 @@ async def open_services(
         await engine.close()
 
 
-def agent_http_client(timeout_s: float, *, proxy_url: str | None = None, proxy_app: Any = None) -> httpx.AsyncClient:
+def agent_http_client(timeout_s: float, *, proxy_url: str | None = None, proxy_app: Any = None,
+                      transport: str = "in_process") -> httpx.AsyncClient:  # fmt: skip
     """The `http_client` offered to inline agents (shared by every run, so connections are reused): an httpx
-    client (what the OpenAI SDK takes). Requests to `proxy_url` are handed to `proxy_app` in process when it is
-    given (`rollout.agent_transport: in_process`, `pipeline.proxy.inprocess`); all others go over an aiohttp
+    client (what the OpenAI SDK takes). With `transport` "in_process" (`rollout.agent_transport`), requests to
+    `proxy_url` are handed to `proxy_app` in process (`pipeline.proxy.inprocess`); all others go over an aiohttp
     transport. Why aiohttp: httpcore's pool rescans every pooled connection (a socket poll each) whenever a
     request starts or ends, so with 64 runs in flight one shared pool cost ~6 ms of CPU per request in the
     rollout's event loop, half of it there; aiohttp's pool does not. No connection limit: `rollout.max_concurrency`
@@ -139,8 +140,8 @@ def agent_http_client(timeout_s: float, *, proxy_url: str | None = None, proxy_a
 
     from pipeline.proxy.inprocess import InProcessTransport
 
-    transport = AiohttpTransport(client=lambda: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
+    network = AiohttpTransport(client=lambda: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
     mounts: dict[str, httpx.AsyncBaseTransport] = {}
-    if proxy_url is not None and proxy_app is not None:
+    if transport == "in_process" and proxy_url is not None and proxy_app is not None:
         mounts[proxy_url.rstrip("/")] = InProcessTransport(proxy_app)
-    return httpx.AsyncClient(transport=transport, mounts=mounts, timeout=httpx.Timeout(timeout_s))
+    return httpx.AsyncClient(transport=network, mounts=mounts, timeout=httpx.Timeout(timeout_s))

@@ -48,6 +48,11 @@ def main(run_dir, step=None):
     (out / f"{tag}.started").write_text(str(os.getpid()))
     print(f"fake {tag} running in {os.getcwd()}", flush=True)
     if os.environ.get("FAKE_FAIL") == stage:
+        # fail only once the named stages have installed their SIGTERM handler, so the test sees how they stop
+        waits = [w for w in os.environ.get("FAKE_FAIL_AFTER", "").split(",") if w]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all((out / f"{w}.1.started").exists() for w in waits):
+            time.sleep(0.05)
         print(f"fake {stage}: failing on purpose", flush=True)
         return 3
     if stage == "train" and os.environ.get("FAKE_TRAIN_FOREVER") != "1":
@@ -168,7 +173,8 @@ def test_local_run_ends_with_the_trainer_and_resume_makes_new_attempts(workdir: 
 
 def test_a_failing_stage_stops_the_run_and_is_named_with_its_log(workdir: Path) -> None:
     result = arl(workdir, "launch", "config.yaml", "--executor", "local",
-                 env={"FAKE_FAIL": "rollout", "FAKE_TRAIN_FOREVER": "1"})  # fmt: skip
+                 env={"FAKE_FAIL": "rollout", "FAKE_FAIL_AFTER": "train,inference",
+                      "FAKE_TRAIN_FOREVER": "1"})  # fmt: skip
     assert result.returncode == 1
     log = run_dir(workdir) / "logs" / "rollout" / "attempt_1.log"
     assert f"stage rollout failed (exit code 3); see its log: {log}" in " ".join(result.stdout.split())

@@ -87,7 +87,8 @@ async def test_the_in_process_client_streams_and_records_like_tcp(proxy: Any) ->
     rows = []
     for in_process in (True, False):
         s = await _admin(proxy.url, "/rl/start_session")
-        http = agent_http_client(60, proxy_url=proxy.url, proxy_app=proxy.app if in_process else None)
+        http = agent_http_client(60, proxy_url=proxy.url, proxy_app=proxy.app,
+                                 transport="in_process" if in_process else "http")
         async with http:
             client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=s["api_key"], http_client=http)
             chunks = [c async for c in await client.chat.completions.create(**ask)]

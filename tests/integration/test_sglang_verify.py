@@ -217,6 +217,7 @@ async def test_a_server_that_failed_verification_is_paused_again(judge: Judge, p
     mark = judge.mark()
     async with client(judge) as engine:
         await publish_refused(publisher, engine, state_of(tiny_model_dir), settle=judge)
+    judge.settle()  # the test's own closing /continue_generation answers before the scheduler reads it
     calls = [r["type"] for r in judge.records(mark) if r["type"] not in ("GetInternalStateReq", "Loaded", "Corrupted")]
     assert "ContinueGenerationReqInput" in calls and calls[-2:] == ["PauseGenerationReqInput",
                                                                     "ContinueGenerationReqInput"], calls  # fmt: skip
