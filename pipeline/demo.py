@@ -227,7 +227,11 @@ def summarize(paths: RunPaths, elapsed: float) -> None:
         console.print(ascii_curve(exact, title="exact-correct per step"), markup=False, highlight=False)
     for line in comparison_lines(rewards, exact, elapsed):
         console.print(line)
-    png = save_png(rewards, paths.reward_curve, exact=exact)
+    evaluations = eval_series(paths)
+    for name, points in evaluations.items():
+        console.print(f"held-out evaluation {name}: " + "   ".join(f"version {v}: {x:.3f}" for v, x in points),
+                      markup=False, highlight=False)  # fmt: skip
+    png = save_png(rewards, paths.reward_curve, exact=exact, evaluations=evaluations)
     console.print(f"reward curve: {png}", markup=False, highlight=False)
     console.print("inspect the trajectories:")
     console.print(f"  arl inspect {paths.root} --step {rewards[-1][0]} --decode", markup=False, highlight=False)
@@ -280,8 +284,23 @@ def ascii_curve(
     return title + "\n" + "\n".join(rows)
 
 
-def save_png(rewards: list[tuple[int, float]], path: Path, exact: list[tuple[int, float]] | None = None) -> Path:
-    """The reward per step and, when given, the exact-correct rate per step on the same [0, 1] axis."""
+def eval_series(paths: RunPaths) -> dict[str, list[tuple[int, float]]]:
+    """Per eval set, (version, figure) of its newest evaluations: pass@1 where the set scores successes, else the
+    mean reward (`metrics/eval.jsonl`)."""
+    from pipeline.eval.results import latest_evaluations
+
+    series: dict[str, list[tuple[int, float]]] = {}
+    for record in latest_evaluations(paths):
+        key = "pass@1" if isinstance(record.get("pass@1"), int | float) else "reward_mean"
+        if isinstance(record.get(key), int | float):
+            series.setdefault(f"{record['set']} {key}", []).append((int(record["version"]), float(record[key])))
+    return series
+
+
+def save_png(rewards: list[tuple[int, float]], path: Path, exact: list[tuple[int, float]] | None = None,
+             evaluations: dict[str, list[tuple[int, float]]] | None = None) -> Path:  # fmt: skip
+    """The reward per step and, when given, the exact-correct rate per step and the held-out evaluations (by
+    weight version) on the same [0, 1] axis."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -291,7 +310,11 @@ def save_png(rewards: list[tuple[int, float]], path: Path, exact: list[tuple[int
     ax.plot([s for s, _ in rewards], [r for _, r in rewards], marker="o", markersize=3, label="mean reward")
     if exact:
         ax.plot([s for s, _ in exact], [r for _, r in exact], marker="s", markersize=3, label="exact-correct")
-        ax.legend(loc="upper left")
+    for name, points in (evaluations or {}).items():
+        ax.plot([v for v, _ in points], [x for _, x in points], marker="D", markersize=7, linestyle="--",
+                label=f"held-out {name} (by version)")  # fmt: skip
+    if exact or evaluations:
+        ax.legend(loc="upper left", fontsize="small")
     ax.set_xlabel("step (step k is trained into weight version k+1)")
     ax.set_ylabel("mean per step")
     ax.set_title("arl demo: reward and exact-correct per step" if exact else "arl demo: reward per step")

@@ -38,6 +38,7 @@ TRAIN = (
     Interval("train", "time_load_s", "load shard"),
     Interval("train", "time_compute_s", "training"),
     Interval("train", "time_checkpoint_s", "checkpoint write"),
+    Interval("train", "time_eval_hold_s", "hold for the in-run evaluation"),
     Interval("train", "time_publish_s", "publication"),
     Interval("train", "weight_sync_s", "server reload", part_of="time_publish_s"),
     Interval("train", "verify_s", "verification", part_of="time_publish_s"),

@@ -21,14 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ArlError
+from pipeline.eval.results import EVAL_STAGE, metrics_line, open_sinks, record
 from pipeline.eval.runner import SetResult, Where, evaluate_set
-from pipeline.metrics import MetricsSink
 from pipeline.paths import RunPaths, parse_step_name
-from pipeline.rollout.loop import sort_key
 from schemas.config import ArlConfig, EvalSetConfig
-
-EVAL_STAGE = "eval"
-"""Logs go to `logs/eval/`."""
 
 
 def eval_command(run_dir: Path, *, step: int | None, checkpoint: Path | None, set_name: str | None,
@@ -122,41 +118,13 @@ async def evaluate_checkpoint(paths: RunPaths, config: ArlConfig, sets: list[Eva
         await asyncio.to_thread(terminate, server)
 
 
-def open_sinks(paths: RunPaths, config: ArlConfig) -> MetricsSink:
-    """TensorBoard (`metrics/tb/eval`, series `eval/<set>/<figure>` by weight version) and the run's W&B `eval`
-    run when `metrics.wandb` is set. W&B keeps one step order per run: an evaluation of a version below one it
-    already holds is dropped there (the JSONL line and TensorBoard keep it)."""
-    from pipeline.metrics import MultiSink, TensorBoardSink, open_wandb
-
-    wandb = open_wandb(config, paths, EVAL_STAGE, prefix="eval")
-    try:
-        return MultiSink(TensorBoardSink(paths.tensorboard / EVAL_STAGE, "eval"), wandb)
-    except ImportError:  # tensorboard is optional; eval.jsonl is the record
-        return MultiSink(wandb)
-
-
-def record(paths: RunPaths, config: ArlConfig, result: SetResult, model_path: str) -> None:
-    """The set's shards (replacing an earlier evaluation of the same version and set), then its metrics line."""
-    from pipeline.metrics import JsonlSink
-    from pipeline.shards import write_step
-
-    tokenizer = config.model.tokenizer or config.model.path
-    rows = sorted(result.rows, key=sort_key)
-    write_step(paths, result.version, rows, producer="eval", tokenizer=tokenizer, extra=result.figures,
-               dest=paths.eval_dir(result.version, result.name))  # fmt: skip
-    # `step` (the JSONL sinks' key) is the version: one line per (version, set), a later evaluation after it.
-    JsonlSink(paths.eval_metrics).log(result.version, metrics_line(result, model_path))
-
-
-def metrics_line(result: SetResult, model_path: str) -> dict[str, Any]:
-    return {"version": result.version, "set": result.name, "weights": model_path, **result.figures}
-
-
 def print_results(results: list[SetResult], fmt: str, model_path: str) -> None:
     from pipeline.console import people_console
 
     if fmt == "json":
-        print(json.dumps([{"step": r.version, **metrics_line(r, model_path)} for r in results], indent=2))
+        lines = [{"step": r.version, **metrics_line(r.version, r.name, {**r.figures, "weights": model_path})}
+                 for r in results]  # fmt: skip
+        print(json.dumps(lines, indent=2))
         return
     from rich.table import Table
 

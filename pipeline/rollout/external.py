@@ -37,8 +37,9 @@ from pipeline.errors import ArlError
 from pipeline.paths import RunPaths
 from pipeline.proxy.local import LocalControl
 from pipeline.proxy.sessions import EndHook, SessionEnd
-from pipeline.rollout.loop import export_session, filter_rows, missing_steps, open_sink, sort_key
+from pipeline.rollout.loop import filter_rows, missing_steps, open_sink
 from pipeline.rollout.metrics import StepTally
+from pipeline.rollout.sessions import export_session, sort_key
 from pipeline.rollout.spool import CONSUMED_KEY, Spool, SpooledSession
 from pipeline.stage import StageContext
 from pipeline.weight_version import published_version

@@ -14,25 +14,25 @@ prompts of a step depend only on k (see `pipeline.rollout.data`), so both are ex
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from pipeline.errors import ArlError
+from pipeline.eval.inrun import InRunEvaluation, pending_versions
+from pipeline.eval.runner import Where
 from pipeline.metrics import MetricsSink
 from pipeline.paths import RunPaths
-from pipeline.proxy.control import ExportedSession, NoCapacity, ProxyAPIError, ProxyControl, SessionInfo
-from pipeline.rollout.agents import Agent, resolve_agent
+from pipeline.proxy.control import ProxyControl
+from pipeline.rollout.agents import resolve_agent
 from pipeline.rollout.data import Prompt, Schedule, check_cursor, load_rows, write_cursor
 from pipeline.rollout.metrics import StepTally, drop_constant_groups
 from pipeline.rollout.progress import StepProgress
-from pipeline.rollout.runner import Executor, InlineExecutor, RunContext, RunReport, SubprocExecutor
+from pipeline.rollout.runner import Executor
+from pipeline.rollout.sessions import SessionPlan, drive_session, make_executor, sort_key, with_agent_metrics
 from pipeline.rollout.staleness import required_version, split_stale, wait_for_version
 from pipeline.stage import StageContext
-from schemas.api.rl import SamplingOverride
 from schemas.config import ArlConfig
 from schemas.trajectory import TrajectoryRow
 
@@ -69,7 +69,9 @@ async def run_rollout(ctx: StageContext) -> list[int]:
     if only_step is not None and not 0 <= only_step < config.num_steps:
         raise ArlError(f"--step {only_step} is outside this run's steps 0..{config.num_steps - 1} (num_steps)")
     steps = [only_step] if only_step is not None else missing_steps(paths, config.num_steps)
-    if not steps:
+    # In-run evaluation belongs to the run's own pass, not to a redo of one step (`--step N`).
+    evaluations = pending_versions(paths, config) if only_step is None else []
+    if not steps and not evaluations:
         log.info("all %d steps already have a manifest: nothing to do", config.num_steps)
         return []
     agent = resolve_agent(config.rollout.agent, config.rollout.agent_kwargs, mode=config.rollout.mode)
@@ -78,10 +80,20 @@ async def run_rollout(ctx: StageContext) -> list[int]:
         executor = make_executor(agent, config, services.http)
         rollout = Rollout(config, paths, schedule, executor, services.control, services.proxy_url,
                           services.engine, sink, config.model.tokenizer or config.model.path)  # fmt: skip
+        where = Where(services.control, services.proxy_url, services.http)
+        evaluation = InRunEvaluation(config, paths, where, services.engine, evaluations) if evaluations else None
         try:
+            if evaluation is not None:
+                evaluation.start()
             for step in steps:
                 await produce_step(rollout, step)
+                if evaluation is not None:
+                    evaluation.check()
+            if evaluation is not None:
+                await evaluation.finish()
         finally:
+            if evaluation is not None:
+                await evaluation.close()
             await executor.close()
             sink.close()
     return steps
@@ -98,12 +110,6 @@ def missing_steps(paths: RunPaths, num_steps: int) -> list[int]:
     done = set(paths.complete_steps())
     first = next((k for k in range(num_steps) if k not in done), num_steps)
     return [k for k in range(first, num_steps) if k not in done]
-
-
-def make_executor(agent: Agent, config: ArlConfig, http: Any) -> Executor:
-    if config.rollout.mode == "subproc":
-        return SubprocExecutor(agent, config.rollout.subproc_workers)
-    return InlineExecutor(agent, http)
 
 
 def open_sink(ctx: StageContext) -> MetricsSink:
@@ -169,8 +175,12 @@ async def run_step_sessions(ro: Rollout, step: int, prompts: list[Prompt], tally
 def run_concurrency(config: ArlConfig) -> int:
     """Runs in flight at once: `rollout.max_concurrency`, but no more than the proxy has session slots. Runs past
     `proxy.max_sessions` would only be refused (429) and retry with back-off: measured on the demo (512 runs a step,
-    256 slots) that made 3.4 start attempts per run, and the back-off left slots idle for up to a second."""
-    return min(config.rollout.max_concurrency, config.proxy.max_sessions)
+    256 slots) that made 3.4 start attempts per run, and the back-off left slots idle for up to a second. An in-run
+    evaluation's slots are kept out of rollout's."""
+    slots = config.proxy.max_sessions
+    if config.eval.versions(config.num_steps):  # the in-run evaluation keeps its own slots (pipeline.eval.inrun)
+        slots -= config.eval.concurrency()
+    return min(config.rollout.max_concurrency, slots)
 
 
 async def run_session(ro: Rollout, step: int, prompt: Prompt, run_index: int, tally: StepTally) -> list[TrajectoryRow]:
@@ -192,110 +202,6 @@ async def run_session(ro: Rollout, step: int, prompt: Prompt, run_index: int, ta
                        prefix_breaks=exported.prefix_breaks, samples=len(samples), metrics=metrics,
                        first_call_s=exported.first_call_s)  # fmt: skip
     return [] if rejected else samples
-
-
-@dataclass
-class SessionPlan:
-    """What one run's session is: its group, metadata, deadline, the temperature the agent is told, and any
-    sampling the session imposes (evaluation's). `session_id` is filled in once the proxy admits it."""
-
-    group_id: str
-    metadata: dict[str, Any]
-    timeout_s: float
-    temperature: float
-    sampling: SamplingOverride | None = None
-    session_id: str = ""
-
-
-async def drive_session(control: ProxyControl, proxy_url: str, executor: Executor, data: dict[str, Any],
-                        plan: SessionPlan, config: ArlConfig) -> tuple[RunReport, ExportedSession | None]:  # fmt: skip
-    """One run, the way rollout and evaluation both do it: admitted, the agent, rewards, end, export. The report
-    carries an error when the session could not be exported (the run is then lost, not the step)."""
-    session = await admit_session(control, plan.group_id, plan.metadata, plan.timeout_s, plan.sampling)
-    plan.session_id = session.session_id
-    report = await executor.run(data, RunContext(proxy_url, session, plan.temperature), plan.timeout_s)
-    report = await apply_rewards(control, session.session_id, report)
-    await end_quietly(control, session.session_id)
-    exported = await export_session(control, session.session_id, config.rollout.export_style,
-                                    config.rollout.discount)  # fmt: skip
-    if exported is None:
-        report = RunReport(None, report.error or "the session could not be exported (see the warning above)",
-                           report.timed_out, report.duration_s)  # fmt: skip
-    return report, exported
-
-
-def with_agent_metrics(row: TrajectoryRow, metrics: dict[str, float]) -> TrajectoryRow:
-    """The row with the run's agent metrics under `metrics` in its metadata (each sample of the run carries
-    them, so a reader of one shard row sees what the agent measured)."""
-    if not metrics:
-        return row
-    metadata = json.loads(row.metadata)
-    metadata["metrics"] = metrics
-    return dataclasses.replace(row, metadata=json.dumps(metadata, sort_keys=True, default=str))
-
-
-async def admit_session(control: ProxyControl, group_id: str, metadata: dict[str, Any], patience_s: float,
-                        sampling: SamplingOverride | None = None) -> SessionInfo:  # fmt: skip
-    """Grant one unit of capacity and start the session (with `sampling` imposed on its calls, if given); retry
-    briefly while the proxy is full (429)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + patience_s
-    delay = 0.05
-    await control.grant_capacity()
-    while True:
-        try:
-            return await control.start_session(group_id, metadata, sampling)
-        except NoCapacity as exc:
-            if loop.time() > deadline:
-                raise ArlError(f"the proxy refused new sessions for {patience_s:g}s ({exc}); raise proxy.max_sessions "
-                               "above rollout.max_concurrency") from exc  # fmt: skip
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
-
-
-async def export_session(control: ProxyControl, session_id: str, style: str,
-                         discount: float) -> ExportedSession | None:  # fmt: skip
-    """Export a session; None if the proxy refuses it (the run is then lost, not the step).
-
-    In process (`LocalControl`) the export first waits, with a deadline, for calls of the session
-    still in flight, e.g. after a timed-out agent was cancelled mid-request.
-    """
-    try:
-        return await control.export(session_id, style=style, discount=discount)
-    except ProxyAPIError as exc:
-        if not exc.refused:
-            raise
-        log.warning("session %s could not be exported; its run yields no samples: %s", session_id, exc)
-        return None
-
-
-async def apply_rewards(control: ProxyControl, session_id: str, report: RunReport) -> RunReport:
-    """Give the proxy the agent's returned rewards; a reward the proxy refuses fails the run."""
-    outcome = report.outcome
-    if outcome is None or outcome.rejected:
-        return report
-    try:
-        if outcome.reward is not None:
-            await control.set_reward(session_id, outcome.reward)
-        for interaction_id, reward in outcome.rewards.items():
-            await control.set_reward(session_id, reward, interaction_id)
-    except ProxyAPIError as exc:
-        if not exc.refused:
-            raise
-        if outcome.reward is not None and not outcome.rewards:
-            return report  # a float for a run without LLM calls: counted as an empty run after export
-        return RunReport(None, f"the proxy refused the agent's rewards: {exc}", False, report.duration_s)
-    return report
-
-
-async def end_quietly(control: ProxyControl, session_id: str) -> None:
-    """End the session; an agent may already have ended it itself (a no-op then, or a 4xx over HTTP)."""
-    try:
-        await control.end_session(session_id)
-    except ProxyAPIError as exc:
-        if not exc.refused:
-            raise
-        log.debug("end_session for %s answered %s", session_id, exc.status)
 
 
 def filter_rows(rows: list[TrajectoryRow], step: int, config: ArlConfig, tally: StepTally) -> list[TrajectoryRow]:
@@ -324,11 +230,6 @@ def publish_step(ro: Rollout, step: int, rows: list[TrajectoryRow], tally: StepT
     rows.sort(key=sort_key)  # stable file order
     write_step(ro.paths, step, rows, producer="rollout", tokenizer=ro.tokenizer, extra=tally.summary(rows))
     write_cursor(ro.paths.rollout_state, ro.schedule, step, ro.config.rollout.dataset.path)
-
-
-def sort_key(row: TrajectoryRow) -> tuple[str, str, str]:
-    """The order rows are written in: by group, session, sample (deterministic files for a step)."""
-    return row.group_id, row.session_id, row.sample_id
 
 
 def _fmt(value: float | None) -> str:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from pipeline.errors import ArlError
+from pipeline.eval.hold import hold_for_evaluation
 from pipeline.handoff import read_json, wait_for, write_json_atomic
 from pipeline.paths import RunPaths, step_name
 from pipeline.stage import StageContext
@@ -77,6 +78,8 @@ class Trainer:
         self.log_held_metrics(version, self.ensure_published(version))
         for step in range(version, self.config.num_steps):
             self.train_step(step)
+        if self.rank0:  # the launcher ends the run when the trainer ends: the last evaluation first
+            hold_for_evaluation(self.paths, self.config, self.config.num_steps)
         log.info("trained %d steps: version %d is the last", self.config.num_steps, self.config.num_steps)
 
     def redo(self, step: int) -> None:
@@ -107,6 +110,8 @@ class Trainer:
         version = step + 1
         checkpoint = self.maybe_checkpoint(version, timings, force=rerun)
         values = self.hold_metrics(step, data, advantages, updates, timings)
+        if self.rank0 and not rerun:  # the engines keep version `step` until its in-run evaluation is recorded
+            timings.eval_hold_s = hold_for_evaluation(self.paths, self.config, step)
         self.publish(version, checkpoint, timings)
         self.log_metrics(step, values, timings)
 

@@ -58,14 +58,18 @@ class Timings:
     """Of `publish_s`: pausing the servers and moving the tensors."""
     verify_s: float = 0.0
     """Of `publish_s`: checking every server holds the version (docs/reliability.md)."""
+    eval_hold_s: float = 0.0
+    """Before the publication: waiting for the in-run evaluation of the version the engines serve
+    (`pipeline.eval.hold`)."""
     servers_recovered: int = 0
     """Servers taken out during the publication (failed to update or verify) for the inference stage to recover."""
 
 
 def publish_figures(timings: Timings) -> dict[str, float]:
     """The publication's part of a step's metrics row, and the step's wall time (it ends with the publication)."""
-    return {"time_publish_s": timings.publish_s, "weight_sync_s": timings.weight_sync_s,
-            "verify_s": timings.verify_s, "servers_recovered": timings.servers_recovered,
+    return {"time_publish_s": timings.publish_s, "time_eval_hold_s": timings.eval_hold_s,
+            "weight_sync_s": timings.weight_sync_s, "verify_s": timings.verify_s,
+            "servers_recovered": timings.servers_recovered,
             "time_step_s": time.perf_counter() - timings.started,
             "cpu_s": time.process_time() - timings.cpu_started}  # fmt: skip
 

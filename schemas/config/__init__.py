@@ -62,7 +62,7 @@ class ArlConfig(Block):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     """Metrics sinks beyond JSONL and TensorBoard (W&B)."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    """Held-out evaluation sets (`arl eval`)."""
+    """Held-out evaluation sets: during the run (`every`, `at_start`) and offline (`arl eval`)."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     """Slurm resources per stage."""
 
@@ -80,6 +80,25 @@ class ArlConfig(Block):
                     "trainer.weight_sync=disk, or more servers (inference.num_servers) instead of {flag}",
                     {"flag": flag, "value": value},
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _eval_has_session_slots(self) -> ArlConfig:
+        """An in-run evaluation keeps its own session slots beside rollout's (the proxy is shared)."""
+        in_run = bool(self.eval.versions(self.num_steps))
+        if in_run and self.rollout.source == "external":
+            raise PydanticCustomError(
+                UNSUPPORTED, "eval.every / eval.at_start run in the rollout stage, which a run with "
+                "rollout.source=external does not have: evaluate its checkpoints with `arl eval` instead", {},
+            )  # fmt: skip
+        reserve = self.eval.concurrency() if in_run else 0
+        if reserve and self.proxy.max_sessions <= reserve:
+            raise PydanticCustomError(
+                UNSUPPORTED,
+                "proxy.max_sessions={slots} leaves rollout no session slot beside the in-run evaluation's {reserve} "
+                "(its largest eval set's max_concurrency): raise proxy.max_sessions or lower max_concurrency",
+                {"slots": self.proxy.max_sessions, "reserve": reserve},
+            )
         return self
 
     @model_validator(mode="after")

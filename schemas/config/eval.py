@@ -72,6 +72,15 @@ class EvalSetConfig(Block):
 class EvalConfig(Block):
     sets: list[EvalSetConfig] = Field(default_factory=list)
     """The evaluation sets (names unique)."""
+    every: int | None = Field(default=None, ge=1)
+    """Evaluate during the run every `every` weight versions (every, 2·every, ..., and the last version), in the
+    rollout stage beside its steps; default: only offline (`arl eval`)."""
+    at_start: bool = False
+    """Also evaluate version 0 (the initial model) during the run."""
+    hold_timeout_s: float = Field(600.0, gt=0)
+    """How long the trainer holds back version v+1 (and its own exit after the last version) while version v's
+    evaluation is still running: what keeps an evaluation on the weights it names when it shares the engines
+    with rollout. Past it the trainer publishes anyway and that evaluation is not recorded (docs/evaluation.md)."""
 
     @model_validator(mode="after")
     def _unique_names(self) -> EvalConfig:
@@ -83,3 +92,24 @@ class EvalConfig(Block):
                 "set's results and shard directory)", {"names": twice},
             )  # fmt: skip
         return self
+
+    @model_validator(mode="after")
+    def _schedule_needs_sets(self) -> EvalConfig:
+        if (self.every is not None or self.at_start) and not self.sets:
+            raise PydanticCustomError(
+                UNSUPPORTED, "eval.every / eval.at_start evaluate during the run, but eval.sets is empty: add a set "
+                "(a name and a path) or remove them", {},
+            )  # fmt: skip
+        return self
+
+    def versions(self, num_steps: int) -> list[int]:
+        """The weight versions evaluated during a run of `num_steps` steps (versions 0..num_steps), ascending."""
+        due = {0} if self.at_start else set()
+        if self.every is not None:
+            due.update(range(self.every, num_steps + 1, self.every))
+            due.add(num_steps)
+        return sorted(due)
+
+    def concurrency(self) -> int:
+        """Session slots an in-run evaluation needs at most (its sets run one after another)."""
+        return max((s.max_concurrency for s in self.sets), default=0)

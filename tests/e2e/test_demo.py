@@ -81,6 +81,9 @@ def check_final_lines(text: str) -> None:
     assert re.search(r"^exact-correct, step 0: \d\.\d{3}   step 1: \d\.\d{3}   change: [-+]\d\.\d{3}   "
                      r"\(before RL, step 0: \d\.\d{3}\)$", text, flags=re.M), text  # fmt: skip
     assert "exact-correct per step" in text
+    # the shipped config evaluates the held-out set during the run: version 0 (at_start) and the last version
+    assert re.search(rf"^held-out evaluation repeat-greedy pass@1: version 0: \d\.\d{{3}}   version {STEPS}: "
+                     r"\d\.\d{3}$", text, flags=re.M), text  # fmt: skip
 
 
 @pytest.mark.slow
@@ -93,7 +96,8 @@ def test_demo_from_another_directory_writes_there_and_shows_steps_as_they_happen
 
 
 def check_arl_eval(run_dir: Path, cwd: Path) -> None:
-    """`arl eval` on the finished run: the demo's eval set on version 2 with an engine of its own, written as
+    """`arl eval` on the finished run (which evaluated versions 0 and 2 itself): the demo's eval set on version 2
+    with an engine of its own, written as
     shards `arl inspect` reads and a metrics line whose pass@1 is the share of exactly repeated numbers; a
     version or set that is not there is one line and exit 2, before any engine starts."""
     import json
@@ -113,8 +117,10 @@ def check_arl_eval(run_dir: Path, cwd: Path) -> None:
     assert (manifest.weight_versions.min, manifest.weight_versions.max) == (STEPS, STEPS)
     exact = [json.loads(m)["metrics"]["exact_correct"] for m in table.column("metadata").to_pylist()]
     assert line["pass@1"] == sum(exact) / 90 == manifest.extra["pass@1"]
-    (logged,) = [json.loads(x) for x in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()]
-    assert logged["pass@1"] == line["pass@1"] and logged["step"] == STEPS
+    *in_run, logged = [json.loads(x) for x in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()]
+    assert [(x["version"], x["weights"], x["runs"]) for x in in_run] == [
+        (0, "engines at version 0", 90), (STEPS, f"engines at version {STEPS}", 90)], "the run's own evaluations"
+    assert logged["pass@1"] == line["pass@1"] and logged["step"] == STEPS and logged["weights"] == line["weights"]
     assert list((run_dir / "metrics" / "tb" / "eval").glob("events.out.tfevents.*")), "TensorBoard has the figures"
     status = subprocess.run([*arl, "status", str(run_dir)], cwd=cwd, env={**_env(), "COLUMNS": "200"},
                             capture_output=True, text=True, timeout=120)  # fmt: skip

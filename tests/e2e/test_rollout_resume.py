@@ -1,4 +1,5 @@
-"""`arl stage rollout` as a subprocess: kill -9 in the middle of a step, resume, and `--step N` redo.
+"""`arl stage rollout` as a subprocess: kill -9 in the middle of a step, resume, and `--step N` redo; kill -9 in
+the middle of an in-run evaluation, resume.
 
 The engine is a real `hf` server (tiny model) in this test process; the stage talks to it over
 loopback like a Slurm job would. The agent holds chosen runs until a file disappears, so the kill
@@ -53,7 +54,8 @@ def engine_url(tiny_model_dir: Path) -> Iterator[str]:
         yield handle.url
 
 
-def _run_dir(tmp_path: Path, model_dir: Path, engine_url: str) -> tuple[Any, RunPaths]:
+def _run_dir(tmp_path: Path, model_dir: Path, engine_url: str,
+             evaluation: dict[str, Any] | None = None) -> tuple[Any, RunPaths]:  # fmt: skip
     from pipeline.engine.registry import write_entry
     from schemas.engine_api import InferenceEntry
 
@@ -65,6 +67,7 @@ def _run_dir(tmp_path: Path, model_dir: Path, engine_url: str) -> tuple[Any, Run
         "rollout": {"agent": f"{tmp_path / 'agent.py'}:HoldingAgent", "dataset": {"path": str(data), "seed": 11},
                     "batch_size": 2, "group_size": 2, "max_concurrency": 4, "run_timeout_s": 120,
                     "max_staleness": 5},
+        "eval": evaluation or {},
     })  # fmt: skip
     paths = RunPaths.from_config(config.fileroot, config.experiment_name, config.trial_name)
     paths.root.mkdir(parents=True)
@@ -146,3 +149,52 @@ def test_kill9_mid_step_then_resume_then_redo_one_step(tmp_path: Path, tiny_mode
     assert _positions(redone) == dict.fromkeys({p.position for p in step1}, 2)
     assert not old_ids & {r["sample_id"] for r in redone}, "the redo replaced step 1 whole"
     assert json.loads(paths.rollout_state.read_text())["last_step"] == 2
+
+
+def test_kill9_mid_evaluation_then_resume_evaluates_each_version_once(tmp_path: Path, tiny_model_dir: Path,
+                                                                      engine_url: str) -> None:  # fmt: skip
+    """In-run evaluation of version 0 (no trainer here: the engine serves version 0 throughout). Killed while one
+    of its runs is held, the stage left no record of it; the restart evaluates it whole, once; a restart after
+    a kill between its shards and its metrics line restores the line and evaluates nothing. Training shards hold
+    no evaluation row."""
+    held_out = tmp_path / "held.jsonl"
+    held_out.write_text("".join(json.dumps({"question": f"held {i}?", "i": 100 + i}) + "\n" for i in range(3)))
+    evaluation = {"at_start": True, "sets": [{"name": "held", "path": str(held_out), "max_concurrency": 2}]}
+    config, paths = _run_dir(tmp_path, tiny_model_dir, engine_url, evaluation)
+    from pipeline.rollout.loop import build_schedule
+
+    schedule = build_schedule(config)
+    hold = tmp_path / "hold"
+    hold.touch()
+    first = _stage(paths, env={"HOLD_FILE": str(hold), "HOLD_INDICES": "101"})
+    deadline = time.monotonic() + 120
+    while not Path(f"{hold}.reached").exists():
+        assert first.poll() is None, first.communicate()[0].decode()[-3000:]
+        assert time.monotonic() < deadline, "the evaluation never reached its held run"
+        time.sleep(0.1)
+    os.kill(first.pid, signal.SIGKILL)  # our own child, by pid
+    first.wait(30)
+    eval_dir = paths.eval_dir(0, "held")
+    assert not (eval_dir / "_MANIFEST.json").exists() and not paths.eval_metrics.exists(), "nothing half-recorded"
+
+    text = _finish(_stage(paths))
+    assert "evaluation of version 0 on held" in text
+    lines = [json.loads(x) for x in paths.eval_metrics.read_text().splitlines()]
+    assert [(x["version"], x["set"], x["runs"], x["failed_runs"]) for x in lines] == [(0, "held", 3, 0)]
+    from pipeline.shards import read_step_dir
+
+    table, manifest = read_step_dir(eval_dir)
+    assert table.num_rows == 3 and (manifest.weight_versions.min, manifest.weight_versions.max) == (0, 0)
+    assert {json.loads(m)["eval_set"] for m in table.column("metadata").to_pylist()} == {"held"}
+    assert paths.complete_steps() == [0, 1, 2]
+    for k in range(3):
+        rows = _rows(paths, k)
+        assert len(rows) == 4 and not any("eval_set" in json.loads(r["metadata"]) for r in rows)
+        assert {json.loads(r["metadata"])["position"] for r in rows} == {p.position for p in schedule.prompts(k)}
+
+    recorded = (eval_dir / "_MANIFEST.json").read_text()
+    paths.eval_metrics.write_text("")  # killed after the shards, before the line
+    _finish(_stage(paths))
+    assert (eval_dir / "_MANIFEST.json").read_text() == recorded, "not evaluated again"
+    again = [json.loads(x) for x in paths.eval_metrics.read_text().splitlines()]
+    assert [(x["version"], x["runs"]) for x in again] == [(0, 3)], "the line restored once from the shards"

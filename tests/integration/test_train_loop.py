@@ -113,7 +113,7 @@ def test_metrics_file_is_json_lines(make_train_run) -> None:
     record = json.loads(lines[0])
     assert record["kl_ref"] >= 0 and record["version"] == 1
     # the trainer's half of the step timeline: every interval measured, and they fit in the step's wall time
-    parts = ["time_wait_s", "time_load_s", "time_compute_s", "time_checkpoint_s", "time_publish_s"]
+    parts = ["time_wait_s", "time_load_s", "time_compute_s", "time_checkpoint_s", "time_eval_hold_s", "time_publish_s"]
     assert all(record[k] >= 0 for k in parts) and record["time_compute_s"] > 0
     assert sum(record[k] for k in parts) <= record["time_step_s"]
     assert record["cpu_s"] > 0, "the step's CPU time: the updates at least"
