@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ArlError
-from schemas.config import ArlConfig
+from schemas.config import ArlConfig, DatasetConfig
 
 ROWS_CHECKED = 1000
 """Dataset rows checked for the agent's fields (all of a smaller dataset)."""
@@ -136,29 +136,63 @@ def check_agent_and_data(config: ArlConfig) -> Outcome:
     rollout = config.rollout
     if rollout.source == "external":
         return Outcome("", detail="external agents: nothing to load here", skipped=True)
+    problems: list[Problem] = []
+    agent = _load_agent(rollout.agent, rollout.agent_kwargs, config, "rollout.agent", problems)
+    rows = _load_rows(rollout.dataset, agent, "rollout.dataset.path", problems)
+    if rows is None:
+        return Outcome("", problems=problems)
+    fields = tuple(getattr(agent.obj, "required_fields", ()) if agent is not None else ())
+    kind = f"{agent.kind} agent {type(agent.obj).__name__}" if agent is not None else "agent not loaded"
+    return Outcome("", detail=f"{kind}; {len(rows)} rows" + (f" with {', '.join(fields)}" if fields else ""),
+                   problems=problems)  # fmt: skip
+
+
+def check_eval_sets(config: ArlConfig) -> Outcome:
+    """Every eval set's agent loads and its rows carry what that agent requires (an in-run evaluation fails
+    mid-run otherwise, and `arl eval` after the run)."""
+    if not config.eval.sets:
+        return Outcome("", detail="no eval sets", skipped=True)
+    from pipeline.eval.runner import set_agent_kwargs
+
+    problems: list[Problem] = []
+    sizes = []
+    for i, spec in enumerate(config.eval.sets):
+        name = spec.agent or config.rollout.agent
+        # the training agent's own problems are the rollout check's to report, once
+        found = problems if spec.agent is not None else []
+        agent = _load_agent(name, set_agent_kwargs(spec, config), config, f"eval.sets[{i}].agent", found)
+        rows = _load_rows(DatasetConfig(path=spec.path, split=spec.split), agent, f"eval.sets[{i}].path", problems)
+        sizes.append(f"{spec.name} {len(rows) if rows is not None else '?'} rows")
+    return Outcome("", detail="; ".join(sizes), problems=problems)
+
+
+def _load_agent(name: str, kwargs: dict[str, Any], config: ArlConfig, key: str, problems: list[Problem]) -> Any:
     from pipeline.rollout.agents import resolve_agent
+
+    try:
+        return resolve_agent(name, kwargs, mode=config.rollout.mode)
+    except Exception as exc:  # an import error, a bad shape, a constructor that raises: all the user's to fix
+        problems.append(Problem(key, name, _with_cwd(_first(exc))))
+        return None
+
+
+def _load_rows(dataset: DatasetConfig, agent: Any, key: str, problems: list[Problem]) -> Any:
+    """The dataset's rows (None when it does not load); a problem for the first row lacking an agent's field."""
     from pipeline.rollout.data import load_rows
 
-    problems = []
-    agent: Any = None
     try:
-        agent = resolve_agent(rollout.agent, rollout.agent_kwargs, mode=rollout.mode)
-    except Exception as exc:  # an import error, a bad shape, a constructor that raises: all the user's to fix
-        problems.append(Problem("rollout.agent", rollout.agent, _with_cwd(_first(exc))))
-    try:
-        rows = load_rows(rollout.dataset)
+        rows = load_rows(dataset)
     except Exception as exc:
-        return Outcome("", problems=[*problems, Problem("rollout.dataset.path", rollout.dataset.path, _first(exc))])
+        problems.append(Problem(key, dataset.path, _first(exc)))
+        return None
     fields = tuple(getattr(agent.obj, "required_fields", ()) if agent is not None else ())
     for index in range(min(len(rows), ROWS_CHECKED)):
         missing = [name for name in fields if name not in rows[index]]
         if missing:
             lacks = f"row {index} lacks {', '.join(missing)}, which the agent requires (its required_fields)"
-            problems.append(Problem("rollout.dataset.path", rollout.dataset.path, lacks))
+            problems.append(Problem(key, dataset.path, lacks))
             break
-    kind = f"{agent.kind} agent {type(agent.obj).__name__}" if agent is not None else "agent not loaded"
-    return Outcome("", detail=f"{kind}; {len(rows)} rows" + (f" with {', '.join(fields)}" if fields else ""),
-                   problems=problems)  # fmt: skip
+    return rows
 
 
 def check_engine(config: ArlConfig, executor: str) -> Outcome:

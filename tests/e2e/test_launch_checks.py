@@ -45,7 +45,8 @@ slurm = pytest.mark.skipif(not _slurm_up(), reason="local Slurm cluster is down 
 def workdir(tmp_path: Path, tiny_model_dir: Path) -> Path:
     config = {"fileroot": str(tmp_path / "runs"), "experiment_name": "chk", "trial_name": "t", "num_steps": 2,
               "model": {"path": str(tiny_model_dir)},
-              "rollout": {"agent": AGENT, "dataset": {"path": DATA}}}  # fmt: skip
+              "rollout": {"agent": AGENT, "dataset": {"path": DATA}},
+              "eval": {"at_start": True, "sets": [{"name": "held", "path": DATA, "max_concurrency": 4}]}}  # fmt: skip
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     return tmp_path
 
@@ -62,7 +63,8 @@ def errors(result: subprocess.CompletedProcess[str]) -> list[str]:
 def test_a_good_config_passes_every_check(workdir: Path) -> None:
     result = arl(workdir, "check", "config.yaml", "--executor", "local")
     assert result.returncode == 0, result.stdout + result.stderr
-    for name in ("model and tokenizer", "chat template", "agent and dataset", "inference engine", "file root"):
+    for name in ("model and tokenizer", "chat template", "agent and dataset", "eval sets", "inference engine",
+                 "file root"):  # fmt: skip
         assert name in result.stdout
     assert "token-exact over two turns" in result.stdout and "no problems found" in result.stdout
 
@@ -74,6 +76,8 @@ def test_a_good_config_passes_every_check(workdir: Path) -> None:
         ("rollout.agent=/nonexistent/agent.py:Agent", "rollout.agent='/nonexistent/agent.py:Agent':"),
         ("rollout.agent=json:dumps", "rollout.agent='json:dumps':"),
         ("rollout.dataset.path=/nonexistent/data.jsonl", "rollout.dataset.path='/nonexistent/data.jsonl':"),
+        ("eval.sets=[{name: held, path: /nonexistent/held.jsonl, max_concurrency: 4}]",
+         "eval.sets[0].path='/nonexistent/held.jsonl':"),
         ("inference.backend=sglang", "inference.backend='sglang':"),
     ],
 )
