@@ -133,11 +133,12 @@ def inspect(
     fmt: Format = typer.Option(Format.table, "--format", help="table (terminal), json (scripts) or html (one page)."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Where --format html writes."),
     limit: int = typer.Option(50, "--limit", help="Most samples listed (summaries cover all)."),
+    task: str | None = typer.Option(None, "--task", help="Only the samples of this task (rollout.tasks)."),
 ) -> int:
     """Offline view of trajectory shards: samples, decoded turns, masks, reward and length statistics."""
     from pipeline.inspect import inspect_path
 
-    return inspect_path(path, step=step, decode=decode, fmt=fmt.value, output=output, limit=limit)
+    return inspect_path(path, step=step, decode=decode, fmt=fmt.value, output=output, limit=limit, task=task)
 
 
 class EvalFormat(StrEnum):

@@ -52,7 +52,7 @@ class StepView:
 
 def inspect_path(
     path: Path, *, step: int | None = None, decode: bool = False, fmt: str = "table",
-    output: Path | None = None, limit: int = 50,
+    output: Path | None = None, limit: int = 50, task: str | None = None,
 ) -> int:  # fmt: skip
     """Show the shards under `path`; returns the exit code (0)."""
     if fmt not in FORMATS:
@@ -60,6 +60,8 @@ def inspect_path(
     if limit < 0:
         raise InspectError(f"--limit must be >= 0, got {limit}")
     views = load_views(Path(path), step=step, with_tokens=decode, limit=limit)
+    if task is not None:
+        views = only_task(views, task, path)
     for view in views:
         view.summary = step_stats(view.table, view.step)
     samples, notes = collect_samples(views, decode=decode, limit=limit)
@@ -139,6 +141,22 @@ def _run_views(steps_parent: Path, given: Path, step: int | None, *, with_tokens
         listed += view.table.num_rows
         views.append(view)
     return views
+
+
+def only_task(views: list[StepView], task: str, path: Path) -> list[StepView]:
+    """The rows of one task (`metadata.task`; rows without one belong to `default`); steps without any dropped."""
+    found: set[str] = set()
+    kept = []
+    for view in views:
+        metadata = view.table.column("metadata").to_pylist()
+        tasks = [row_metadata(m, i).get("task", "default") for i, m in enumerate(metadata)]
+        found.update(tasks)
+        mask = pa.array([t == task for t in tasks], type=pa.bool_())
+        if any(t == task for t in tasks):
+            kept.append(StepView(view.step, view.table.filter(mask), view.tokenizer, view.source))
+    if not kept:
+        raise InspectError(f"no sample of task {task!r} in {path}; its tasks: {', '.join(sorted(found)) or 'none'}")
+    return kept
 
 
 # -- samples ------------------------------------------------------------------------------------

@@ -137,14 +137,18 @@ def check_agent_and_data(config: ArlConfig) -> Outcome:
     if rollout.source == "external":
         return Outcome("", detail="external agents: nothing to load here", skipped=True)
     problems: list[Problem] = []
-    agent = _load_agent(rollout.agent, rollout.agent_kwargs, config, "rollout.agent", problems)
-    rows = _load_rows(rollout.dataset, agent, "rollout.dataset.path", problems)
-    if rows is None:
-        return Outcome("", problems=problems)
-    fields = tuple(getattr(agent.obj, "required_fields", ()) if agent is not None else ())
-    kind = f"{agent.kind} agent {type(agent.obj).__name__}" if agent is not None else "agent not loaded"
-    return Outcome("", detail=f"{kind}; {len(rows)} rows" + (f" with {', '.join(fields)}" if fields else ""),
-                   problems=problems)  # fmt: skip
+    details = []
+    for i, task in enumerate(rollout.task_list()):
+        where = f"rollout.tasks[{i}]." if rollout.tasks else "rollout."
+        agent = _load_agent(task.agent, task.agent_kwargs, config, where + "agent", problems)
+        rows = _load_rows(task.dataset, agent, where + "dataset.path", problems)
+        if rows is None:
+            continue
+        fields = tuple(getattr(agent.obj, "required_fields", ()) if agent is not None else ())
+        kind = f"{agent.kind} agent {type(agent.obj).__name__}" if agent is not None else "agent not loaded"
+        detail = f"{kind}; {len(rows)} rows" + (f" with {', '.join(fields)}" if fields else "")
+        details.append(f"{task.name}: {detail}" if rollout.tasks else detail)
+    return Outcome("", detail="; ".join(details), problems=problems)
 
 
 def check_eval_sets(config: ArlConfig) -> Outcome:

@@ -48,6 +48,12 @@ class StepRecord:
         reward = self.number("rollout", "reward_mean")
         return reward if reward is not None else self.number("train", "reward_mean")
 
+    def task_rewards(self) -> dict[str, float]:
+        """Mean reward per task (`task/<name>/reward_mean`, runs with `rollout.tasks`), in the row's order."""
+        return {key.split("/")[1]: float(value) for key, value in self.rollout.items()
+                if key.startswith("task/") and key.endswith("/reward_mean") and key.count("/") == 2
+                and isinstance(value, int | float)}  # fmt: skip
+
     @property
     def sampled_per_sample(self) -> float | None:
         sampled, samples = self.number("rollout", "sampled_tokens"), self.number("rollout", "samples")
@@ -103,6 +109,9 @@ def step_line(record: StepRecord) -> str:
     length, sampled = record.number("rollout", "sample_len_mean"), record.sampled_per_sample
     if length is not None:
         parts.append(f"length {length:.1f} tokens" + (f" ({sampled:.1f} sampled)" if sampled is not None else ""))
+    tasks = record.task_rewards()
+    if tasks:
+        parts.append("tasks " + " · ".join(f"{name} {value:.3f}" for name, value in tasks.items()))
     if (speed := record.number("train", "tokens_per_s")) is not None:
         parts.append(f"train {speed:,.0f} tokens/s")
     if (stale := record.number("train", "staleness_mean")) is not None:

@@ -67,7 +67,7 @@ def load_rows(config: DatasetConfig) -> Rows:
     """Open the dataset the config names; errors say which file and what is wrong."""
     path = Path(config.path)
     if not path.exists():
-        raise DataError(f"rollout.dataset.path {path} does not exist (relative paths start at {Path.cwd()})")
+        raise DataError(f"dataset {path} does not exist (relative paths start at {Path.cwd()})")
     if path.is_dir():
         rows: Rows = _load_saved_dataset(path, config.split)
     elif path.suffix in (".parquet", ".pq"):
@@ -75,10 +75,10 @@ def load_rows(config: DatasetConfig) -> Rows:
     elif path.suffix in (".jsonl", ".json", ".ndjson"):
         rows = _load_jsonl(path)
     else:
-        raise DataError(f"rollout.dataset.path {path}: unknown format {path.suffix!r}; use .jsonl, .parquet, "
+        raise DataError(f"dataset {path}: unknown format {path.suffix!r}; use .jsonl, .parquet, "
                         "or a directory written by datasets' save_to_disk")  # fmt: skip
     if len(rows) == 0:
-        raise DataError(f"rollout.dataset.path {path} holds no rows")
+        raise DataError(f"dataset {path} holds no rows")
     return rows
 
 
@@ -111,12 +111,12 @@ def _load_saved_dataset(path: Path, split: str | None) -> Rows:
     loaded = load_from_disk(str(path))
     if isinstance(loaded, DatasetDict):
         if split is None:
-            raise DataError(f"{path} is a DatasetDict with splits {list(loaded)}: set rollout.dataset.split")
+            raise DataError(f"{path} is a DatasetDict with splits {list(loaded)}: set the dataset's split")
         if split not in loaded:
             raise DataError(f"{path} has no split {split!r}; it has {list(loaded)}")
         loaded = loaded[split]
     elif split is not None and not isinstance(loaded, Dataset):
-        raise DataError(f"{path}: rollout.dataset.split={split!r} given but it is not a DatasetDict")
+        raise DataError(f"{path}: split={split!r} given but it is not a DatasetDict")
     return _HFRows(loaded)
 
 
@@ -130,6 +130,8 @@ class Prompt:
     index: int
     """Row index in the dataset."""
     data: dict[str, Any]
+    task: str = "default"
+    """The task it belongs to (`rollout.tasks`; `default` for the one-task shorthand)."""
 
 
 class Schedule:
@@ -168,23 +170,33 @@ class Schedule:
     def fingerprint(self) -> dict[str, Any]:
         return {"dataset_len": self.size, "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed}
 
+    def cursor(self, step: int) -> dict[str, Any]:
+        """Where the step after `step` starts (the cursor file's record)."""
+        next_position = (step + 1) * self.batch_size
+        epoch, offset = divmod(next_position, self.size)
+        return {"next_position": next_position, "epoch": epoch, "offset_in_epoch": offset}
 
-def write_cursor(path: Path, schedule: Schedule, step: int, dataset_path: str) -> None:
+
+class PromptSource(Protocol):
+    """A step's prompts as a pure function of the step (`Schedule`, or `pipeline.rollout.tasks.TaskMix`)."""
+
+    def prompts(self, step: int) -> list[Prompt]: ...
+    def fingerprint(self) -> dict[str, Any]: ...
+    def cursor(self, step: int) -> dict[str, Any]: ...
+
+
+def write_cursor(path: Path, schedule: PromptSource, step: int, dataset_path: str) -> None:
     """Record that `step` is published and where the next step starts (atomic).
 
     Redoing an earlier step (`--step N`) leaves a record of a later step in place.
     """
     if path.exists() and int(read_json(path).get("last_step", -1)) > step:
         return
-    next_position = (step + 1) * schedule.batch_size
-    epoch, offset = divmod(next_position, schedule.size)
-    write_json_atomic(path, {
-        "last_step": step, "next_step": step + 1, "next_position": next_position,
-        "epoch": epoch, "offset_in_epoch": offset, "dataset_path": dataset_path, **schedule.fingerprint(),
-    })  # fmt: skip
+    write_json_atomic(path, {"last_step": step, "next_step": step + 1, **schedule.cursor(step),
+                             "dataset_path": dataset_path, **schedule.fingerprint()})  # fmt: skip
 
 
-def check_cursor(path: Path, schedule: Schedule) -> dict[str, Any] | None:
+def check_cursor(path: Path, schedule: PromptSource) -> dict[str, Any] | None:
     """Refuse to resume when the schedule the cursor was written with differs from today's."""
     if not path.exists():
         return None

@@ -26,12 +26,13 @@ from pipeline.metrics import MetricsSink
 from pipeline.paths import RunPaths
 from pipeline.proxy.control import ProxyControl
 from pipeline.rollout.agents import resolve_agent
-from pipeline.rollout.data import Prompt, Schedule, check_cursor, load_rows, write_cursor
+from pipeline.rollout.data import Prompt, PromptSource, Schedule, check_cursor, load_rows, write_cursor
 from pipeline.rollout.metrics import StepTally, drop_constant_groups
 from pipeline.rollout.progress import StepProgress
 from pipeline.rollout.runner import Executor
 from pipeline.rollout.sessions import SessionPlan, drive_session, make_executor, sort_key, with_agent_metrics
 from pipeline.rollout.staleness import required_version, split_stale, wait_for_version
+from pipeline.rollout.tasks import TaskMix, task_figures
 from pipeline.stage import StageContext
 from schemas.config import ArlConfig
 from schemas.trajectory import TrajectoryRow
@@ -49,8 +50,9 @@ class Rollout:
 
     config: ArlConfig
     paths: RunPaths
-    schedule: Schedule
-    executor: Executor
+    schedule: PromptSource
+    executors: dict[str, Executor]
+    """One per task (`default` for the one-task shorthand)."""
     control: ProxyControl
     proxy_url: str
     engine: Any
@@ -74,11 +76,12 @@ async def run_rollout(ctx: StageContext) -> list[int]:
     if not steps and not evaluations:
         log.info("all %d steps already have a manifest: nothing to do", config.num_steps)
         return []
-    agent = resolve_agent(config.rollout.agent, config.rollout.agent_kwargs, mode=config.rollout.mode)
+    agents = {t.name: resolve_agent(t.agent, t.agent_kwargs, mode=config.rollout.mode)
+              for t in config.rollout.task_list()}  # fmt: skip
     sink = open_sink(ctx)
     async with open_services(config, paths, name="rollout") as services:
-        executor = make_executor(agent, config, services.http)
-        rollout = Rollout(config, paths, schedule, executor, services.control, services.proxy_url,
+        executors = {name: make_executor(agent, config, services.http) for name, agent in agents.items()}
+        rollout = Rollout(config, paths, schedule, executors, services.control, services.proxy_url,
                           services.engine, sink, config.model.tokenizer or config.model.path)  # fmt: skip
         where = Where(services.control, services.proxy_url, services.http)
         evaluation = InRunEvaluation(config, paths, where, services.engine, evaluations) if evaluations else None
@@ -94,14 +97,18 @@ async def run_rollout(ctx: StageContext) -> list[int]:
         finally:
             if evaluation is not None:
                 await evaluation.close()
-            await executor.close()
+            for executor in executors.values():
+                await executor.close()
             sink.close()
     return steps
 
 
-def build_schedule(config: ArlConfig) -> Schedule:
-    dataset = config.rollout.dataset
-    return Schedule(load_rows(dataset), config.rollout.batch_size, shuffle=dataset.shuffle, seed=dataset.seed)
+def build_schedule(config: ArlConfig) -> PromptSource:
+    """The one-task schedule, or the mix of `rollout.tasks` (`pipeline.rollout.tasks`)."""
+    cfg = config.rollout
+    if cfg.tasks:
+        return TaskMix(cfg.tasks, cfg.batch_size, cfg.task_seed)
+    return Schedule(load_rows(cfg.dataset), cfg.batch_size, shuffle=cfg.dataset.shuffle, seed=cfg.dataset.seed)
 
 
 def missing_steps(paths: RunPaths, num_steps: int) -> list[int]:
@@ -142,6 +149,8 @@ async def produce_step(ro: Rollout, step: int) -> None:
     written = time.perf_counter()
     publish_step(ro, step, rows, tally)
     stats = tally.summary(rows)
+    if cfg.tasks:
+        stats.update(task_figures(rows, [t.name for t in cfg.tasks]))
     # cpu_s: this process's CPU over the step (the proxy and inline agents included; subproc workers not).
     stats.update(time_write_s=time.perf_counter() - written, time_step_s=time.perf_counter() - started,
                  cpu_s=time.process_time() - cpu_started)  # fmt: skip
@@ -186,10 +195,15 @@ def run_concurrency(config: ArlConfig) -> int:
 async def run_session(ro: Rollout, step: int, prompt: Prompt, run_index: int, tally: StepTally) -> list[TrajectoryRow]:
     """One agent run in its own proxy session; its samples (none if rejected or failed)."""
     cfg = ro.config.rollout
-    metadata = {"step": step, "dataset_index": prompt.index, "epoch": prompt.epoch,
-                "position": prompt.position, "run_index": run_index}  # fmt: skip
-    plan = SessionPlan(f"step{step:06d}-p{prompt.position}", metadata, cfg.run_timeout_s, cfg.temperature)
-    report, exported = await drive_session(ro.control, ro.proxy_url, ro.executor, prompt.data, plan, ro.config)
+    metadata: dict[str, Any] = {"step": step, "dataset_index": prompt.index, "epoch": prompt.epoch,
+                                "position": prompt.position, "run_index": run_index}  # fmt: skip
+    group_id = f"step{step:06d}-p{prompt.position}"
+    if cfg.tasks:  # positions count per task: the task names the group too
+        metadata["task"] = prompt.task
+        group_id = f"step{step:06d}-{prompt.task}-p{prompt.position}"
+    plan = SessionPlan(group_id, metadata, cfg.run_timeout_s, cfg.temperature)
+    executor = ro.executors[prompt.task]
+    report, exported = await drive_session(ro.control, ro.proxy_url, executor, prompt.data, plan, ro.config)
     if report.outcome is None or exported is None:
         log.warning("agent run failed (session %s, dataset row %d):\n%s", plan.session_id, prompt.index,
                     report.error)  # fmt: skip
@@ -229,7 +243,8 @@ def publish_step(ro: Rollout, step: int, rows: list[TrajectoryRow], tally: StepT
 
     rows.sort(key=sort_key)  # stable file order
     write_step(ro.paths, step, rows, producer="rollout", tokenizer=ro.tokenizer, extra=tally.summary(rows))
-    write_cursor(ro.paths.rollout_state, ro.schedule, step, ro.config.rollout.dataset.path)
+    datasets = ",".join(t.dataset.path for t in ro.config.rollout.task_list())
+    write_cursor(ro.paths.rollout_state, ro.schedule, step, datasets)
 
 
 def _fmt(value: float | None) -> str:

@@ -44,3 +44,18 @@ def compute_advantages(
         else:
             out[idx] = centred * n / (n - 1)
     return out
+
+
+def normalize_per_task(advantages: np.ndarray, tasks: Sequence[str], eps: float = 1e-6) -> np.ndarray:
+    """Each task's advantages divided by their standard deviation (population, over the step's samples of that
+    task); a task whose advantages are all zero (or all equal) is left as it is."""
+    if len(advantages) != len(tasks):
+        raise ValueError(f"{len(advantages)} advantages but {len(tasks)} tasks")
+    out = np.array(advantages, dtype=np.float64)
+    names = np.asarray(tasks)
+    for task in sorted(set(tasks)):
+        idx = names == task
+        std = out[idx].std()
+        if std > eps:
+            out[idx] /= std
+    return out

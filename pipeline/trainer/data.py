@@ -11,6 +11,7 @@ dropped and counted the same way.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 
@@ -35,6 +36,8 @@ class Sample:
     logprobs: np.ndarray
     versions: np.ndarray
     reward: float
+    task: str = "default"
+    """`metadata.task` (runs with `rollout.tasks`), read only where the trainer needs it."""
 
     @property
     def min_version(self) -> int:
@@ -67,16 +70,18 @@ def rows_to_samples(rows: list[dict]) -> list[Sample]:
             logprobs=np.asarray(r["logprobs"], dtype=np.float32),
             versions=np.asarray(r["versions"], dtype=np.int32),
             reward=float(r["reward"]),
+            task=str(json.loads(r["metadata"]).get("task", "default")) if "metadata" in r else "default",
         )
         for r in rows
     ]
 
 
-def load_step(paths: RunPaths, step: int, max_staleness: int) -> StepData:
-    """Read and check trajectories/step_k (schema version and sha256 are checked by `read_step`)."""
+def load_step(paths: RunPaths, step: int, max_staleness: int, with_tasks: bool = False) -> StepData:
+    """Read and check trajectories/step_k (schema version and sha256 are checked by `read_step`); `with_tasks`
+    also reads each sample's task from its metadata."""
     from pipeline.shards import read_step
 
-    table = read_step(paths, step, verify=True, columns=COLUMNS)
+    table = read_step(paths, step, verify=True, columns=[*COLUMNS, "metadata"] if with_tasks else COLUMNS)
     rows = table.to_pylist()
     wrong = sorted({r["step"] for r in rows if r["step"] != step})
     if wrong:

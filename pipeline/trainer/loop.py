@@ -24,7 +24,7 @@ from pipeline.paths import RunPaths, step_name
 from pipeline.stage import StageContext
 from pipeline.trainer import checkpoint as ckpt
 from pipeline.trainer import fsdp
-from pipeline.trainer.advantages import compute_advantages
+from pipeline.trainer.advantages import compute_advantages, normalize_per_task
 from pipeline.trainer.backend import MinibatchStats
 from pipeline.trainer.backends import make_backend
 from pipeline.trainer.data import StepData, load_step
@@ -105,6 +105,8 @@ class Trainer:
         data = self.wait_and_load(step, timings)
         advantages = compute_advantages([s.reward for s in data.samples], [s.group_id for s in data.samples],
                                         self.cfg.algorithm.advantage)  # fmt: skip
+        if self.config.rollout.tasks and self.cfg.algorithm.task_normalize:
+            advantages = normalize_per_task(advantages, [s.task for s in data.samples])
         plan = self.plan(data, advantages, step)
         updates = self.update(plan, timings)
         version = step + 1
@@ -132,7 +134,8 @@ class Trainer:
                  upstream=self.upstream, log=self.paths.latest_log(self.upstream),
                  timeout_s=self.cfg.wait_timeout_s)  # fmt: skip
         timings.wait_s = time.perf_counter() - t0
-        data = load_step(self.paths, step, self.config.rollout.max_staleness)
+        by_task = bool(self.config.rollout.tasks) and self.cfg.algorithm.task_normalize
+        data = load_step(self.paths, step, self.config.rollout.max_staleness, with_tasks=by_task)
         timings.load_s = time.perf_counter() - t0 - timings.wait_s
         return data
 

@@ -17,7 +17,7 @@ from schemas.config.inference import InferenceConfig, replica_flags
 from schemas.config.metrics import MetricsConfig, WandbConfig
 from schemas.config.model import ModelConfig
 from schemas.config.proxy import ProxyConfig
-from schemas.config.rollout import DatasetConfig, RolloutConfig
+from schemas.config.rollout import DatasetConfig, RolloutConfig, TaskConfig
 from schemas.config.trainer import AlgorithmConfig, MegatronConfig, OptimizerConfig, TrainerConfig
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "ProxyConfig",
     "RolloutConfig",
     "StageResources",
+    "TaskConfig",
     "TrainerConfig",
     "WandbConfig",
 ]
@@ -80,6 +81,16 @@ class ArlConfig(Block):
                     "trainer.weight_sync=disk, or more servers (inference.num_servers) instead of {flag}",
                     {"flag": flag, "value": value},
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _eval_sets_name_an_agent_among_tasks(self) -> ArlConfig:
+        unnamed = [s.name for s in self.eval.sets if s.agent is None]
+        if self.rollout.tasks and unnamed:
+            raise PydanticCustomError(
+                UNSUPPORTED, "eval sets {names} use the training agent, but a run with rollout.tasks has one per "
+                "task: give each set its `agent` (and `agent_kwargs`)", {"names": unnamed},
+            )  # fmt: skip
         return self
 
     @model_validator(mode="after")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
 
-from schemas.config.base import Block
+from schemas.config.base import UNSUPPORTED, Block
 
 
 class DatasetConfig(Block):
@@ -18,6 +19,22 @@ class DatasetConfig(Block):
     """Shuffle each epoch (seeded: the same seed gives the same order, so resume is exact)."""
     seed: int = 0
     """Shuffle seed."""
+
+
+class TaskConfig(Block):
+    """One task of a run that trains on several (`rollout.tasks`): its agent, its prompts, its share of a step."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
+    """Names the task in the shards (`metadata.task`), in `rollout.jsonl` (`task/<name>/...`) and for
+    `arl inspect --task`."""
+    agent: str
+    """The task's agent (`module:attr` or `file.py:attr`), as `rollout.agent`."""
+    agent_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Its constructor's kwargs."""
+    dataset: DatasetConfig
+    """Its prompts (each task keeps its own epochs, order and seed)."""
+    weight: float = Field(1.0, gt=0)
+    """Its share of each step's prompts, relative to the other tasks' weights."""
 
 
 class RolloutConfig(Block):
@@ -64,3 +81,38 @@ class RolloutConfig(Block):
     """Sampling temperature the rollout agent is asked to use (passed to the agent as a kwarg)."""
     wait_timeout_s: float = Field(3600.0, gt=0)
     """Deadline for waiting on the trainer's weight version."""
+    tasks: list[TaskConfig] = Field(default_factory=list)
+    """Several tasks in one run: each step draws its `batch_size` prompts from the tasks by weight (seeded by
+    `task_seed` and the step, so resume and `--step N` stay exact); a group never mixes tasks. When set,
+    `agent`, `agent_kwargs` and `dataset` are left out (they are the one-task shorthand)."""
+    task_seed: int = 0
+    """Seed of the draw of tasks per step."""
+
+    @model_validator(mode="after")
+    def _tasks_or_shorthand(self) -> RolloutConfig:
+        if not self.tasks:
+            return self
+        # by value, not by the fields set: a frozen run config (`config.yaml`) holds every default
+        fields = type(self).model_fields
+        both = sorted(k for k in ("agent", "agent_kwargs", "dataset") if getattr(self, k) != fields[k].get_default(
+            call_default_factory=True))  # fmt: skip
+        if both:
+            raise PydanticCustomError(
+                UNSUPPORTED, "rollout.tasks is set, and so is rollout.{keys}: give each task its own agent and "
+                "dataset in rollout.tasks, or use the one-task shorthand without tasks", {"keys": "/".join(both)},
+            )  # fmt: skip
+        names = [t.name for t in self.tasks]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise PydanticCustomError(UNSUPPORTED, "rollout.tasks: the names {names} are used twice",
+                                      {"names": twice})  # fmt: skip
+        if self.source == "external":
+            raise PydanticCustomError(UNSUPPORTED, "rollout.tasks runs agents in the rollout stage, which a run "
+                                      "with rollout.source=external does not have", {})  # fmt: skip
+        return self
+
+    def task_list(self) -> list[TaskConfig]:
+        """The run's tasks: `tasks`, or the shorthand as one task named `default`."""
+        if self.tasks:
+            return list(self.tasks)
+        return [TaskConfig(name="default", agent=self.agent, agent_kwargs=self.agent_kwargs, dataset=self.dataset)]

@@ -29,6 +29,10 @@ class AlgorithmConfig(Block):
     """Weight of the KL penalty to a frozen reference model (0 = no reference is loaded)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight."""
+    task_normalize: bool = False
+    """With `rollout.tasks`: divide each task's advantages by their standard deviation over the step, so that a
+    task whose rewards spread wider does not outweigh the others (for `drgrpo` and `rloo`; `grpo` already scales
+    each group by its own std)."""
 
 
 class OptimizerConfig(Block):

@@ -301,3 +301,47 @@ async def test_error_rate_past_the_limit_fails_loudly(tmp_path: Path, tiny_model
     assert "step 0: 4 of 4 agent runs failed" in message and "error rate 1.00" in message
     assert "KeyError" in message and "no such field" in message, "the last traceback is in the error"
     assert paths.complete_steps() == [], "a failed step is not published"
+
+
+async def test_two_tasks_keep_their_agents_groups_and_figures_apart(tmp_path: Path, tiny_model_dir: Path,
+                                                                    engine_url: str) -> None:  # fmt: skip
+    """`rollout.tasks`: each prompt is run by its own task's agent, a group never mixes tasks, every row names its
+    task, and the step's metrics carry figures per task; the prompts are the schedule's (resume-exact)."""
+    from collections import Counter
+
+    from pipeline.rollout.loop import build_schedule, run_rollout
+
+    config, paths = make_run(tmp_path, tiny_model_dir, engine_url, "InlineToolAgent", num_steps=3)
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"question": f"Say {i}.", "i": 100 + i}) + "\n" for i in range(4)))
+    raw = config.model_dump(mode="json")
+    for key in ("agent", "agent_kwargs", "dataset"):
+        raw["rollout"].pop(key)
+    agents = tmp_path / "agents.py"
+    raw["rollout"].update(batch_size=4, max_staleness=2, tasks=[
+        {"name": "tool", "agent": f"{agents}:InlineToolAgent", "dataset": {"path": str(tmp_path / "data.jsonl")}},
+        {"name": "chat", "agent": f"{agents}:AnthropicWorkflow", "dataset": {"path": str(other)}, "weight": 2.0},
+    ])  # fmt: skip
+    config = validate_config(raw)
+    paths.config.write_text(dump_config(config))
+    assert await run_rollout(StageContext("rollout", paths, config)) == [0, 1, 2]
+
+    schedule = build_schedule(config)
+    metrics = {m["step"]: m for m in read_jsonl(paths.rollout_metrics)}
+    for step in range(3):
+        rows = read_rows(paths, step)
+        tasks_of_group: dict[str, set[str]] = {}
+        for row in rows:
+            meta = json.loads(row["metadata"])
+            tasks_of_group.setdefault(row["group_id"], set()).add(meta["task"])
+            # the agent that ran it: the Anthropic workflow answers in one turn for reward 0.5
+            assert (meta["task"] == "chat") == (row["num_turns"] == 1 and row["reward"] == 0.5), (meta, row["reward"])
+        assert all(len(tasks) == 1 for tasks in tasks_of_group.values()), "a group never mixes tasks"
+        drawn = Counter(p.task for p in schedule.prompts(step))
+        assert Counter(next(iter(t)) for t in tasks_of_group.values()) == drawn, "one group per scheduled prompt"
+        figures = metrics[step]
+        assert figures["task/chat/samples"] + figures["task/tool/samples"] == figures["samples"] == len(rows)
+        if figures["task/chat/samples"]:
+            assert figures["task/chat/reward_mean"] == 0.5
+    cursor = json.loads(paths.rollout_state.read_text())
+    assert sum(cursor["next_positions"].values()) == 3 * 4, "each task's sequence moved by the prompts it held"

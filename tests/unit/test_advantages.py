@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.trainer.advantages import compute_advantages
+from pipeline.trainer.advantages import compute_advantages, normalize_per_task
 
 REWARDS = [1.0, 0.0, 0.0, 1.0, 2.0, 5.0]
 GROUPS = ["a", "a", "a", "a", "b", "b"]
@@ -46,3 +46,15 @@ def test_bad_input_is_rejected() -> None:
         compute_advantages([1.0, 2.0], ["a"])
     with pytest.raises(ValueError, match="unknown advantage estimator"):
         compute_advantages([1.0], ["a"], "ppo")  # type: ignore[arg-type]
+
+
+def test_per_task_normalisation_by_hand() -> None:
+    # drgrpo advantages of two tasks on different reward scales: task a in {-10, 10}, task b in {-1, 1}
+    advantages = compute_advantages([0.0, 20.0, 0.0, 2.0], ["a", "a", "b", "b"], "drgrpo")
+    np.testing.assert_allclose(advantages, [-10.0, 10.0, -1.0, 1.0])
+    scaled = normalize_per_task(advantages, ["big", "big", "small", "small"])
+    np.testing.assert_allclose(scaled, [-1.0, 1.0, -1.0, 1.0])  # each task's std (10 and 1) divided out
+    constant = normalize_per_task(np.array([0.0, 0.0, 3.0, -3.0]), ["flat", "flat", "b", "b"])
+    np.testing.assert_allclose(constant, [0.0, 0.0, 1.0, -1.0]), "a task without spread is left alone"
+    with pytest.raises(ValueError, match="4 advantages but 3 tasks"):
+        normalize_per_task(advantages, ["a", "a", "b"])

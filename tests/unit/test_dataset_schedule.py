@@ -42,7 +42,7 @@ def test_dataset_errors(tmp_path: Path) -> None:
     import datasets
 
     datasets.DatasetDict({"train": datasets.Dataset.from_list([{"a": 1}])}).save_to_disk(str(tmp_path / "dd"))
-    with pytest.raises(DataError, match=r"set rollout.dataset.split"):
+    with pytest.raises(DataError, match=r"set the dataset's split"):
         load_rows(DatasetConfig(path=str(tmp_path / "dd")))
     with pytest.raises(DataError, match=r"no split 'test'.*train"):
         load_rows(DatasetConfig(path=str(tmp_path / "dd"), split="test"))
