@@ -61,7 +61,7 @@ def show_status(run_dir: str | Path, *, console: Console | None = None) -> int:
                 console.print(line, markup=False, highlight=False, soft_wrap=True)
     evaluations = evaluation_lines(paths)
     if evaluations:
-        console.print("evaluations (arl eval; the newest of each version and set, docs/evaluation.md):")
+        console.print("evaluations (in-run and arl eval; the newest of each version and set, docs/evaluation.md):")
         for line in evaluations:
             console.print(line, markup=False, highlight=False, soft_wrap=True)
     dead = died(newest, states)
