@@ -314,7 +314,7 @@ def save_png(rewards: list[tuple[int, float]], path: Path, exact: list[tuple[int
         ax.plot([v for v, _ in points], [x for _, x in points], marker="D", markersize=7, linestyle="--",
                 label=f"held-out {name} (by version)")  # fmt: skip
     if exact or evaluations:
-        ax.legend(loc="upper left", fontsize="small")
+        ax.legend(loc="center right", fontsize="small")  # where learning curves that rise leave room
     ax.set_xlabel("step (step k is trained into weight version k+1)")
     ax.set_ylabel("mean per step")
     ax.set_title("arl demo: reward and exact-correct per step" if exact else "arl demo: reward per step")
