@@ -1,9 +1,8 @@
-"""`arl demo` as a person runs it, through the CLI as a subprocess with its output piped (not a terminal).
-
-From an empty directory, it writes everything under that directory (`--out`, default `./runs`), prints
-absolute paths that exist, and shows one line per trained step while the run goes on. The second test
-does the same with arl installed from its wheel into a fresh venv (no repository anywhere on its path):
-the demo's config, agent and data must come with the package.
+"""`arl demo` as a person runs it: arl installed from its wheel into a fresh venv (no repository anywhere on
+its path: the demo's config, agent and data must come with the package), the CLI run as a subprocess with its
+output piped (not a terminal), from an empty directory. It writes everything under that directory (`--out`),
+prints absolute paths that exist, and shows one line per trained step while the run goes on; then `arl eval`,
+`arl status` and `arl inspect` on the finished run.
 """
 
 from __future__ import annotations
@@ -86,16 +85,7 @@ def check_final_lines(text: str) -> None:
                      r"\d\.\d{3}$", text, flags=re.M), text  # fmt: skip
 
 
-@pytest.mark.slow
-def test_demo_from_another_directory_writes_there_and_shows_steps_as_they_happen(tmp_path: Path) -> None:
-    cwd = tmp_path / "elsewhere"
-    cwd.mkdir()
-    lines, _ = run_demo_piped([sys.executable, "-m", "pipeline.cli"], cwd, cwd / "results", "--out", "results")
-    run_dir = check_written_under(lines, cwd, cwd / "results")
-    check_arl_eval(run_dir, cwd)
-
-
-def check_arl_eval(run_dir: Path, cwd: Path) -> None:
+def check_arl_eval(arl: list[str], run_dir: Path, cwd: Path) -> None:
     """`arl eval` on the finished run (which evaluated versions 0 and 2 itself): the demo's eval set on version 2
     with an engine of its own, written as
     shards `arl inspect` reads and a metrics line whose pass@1 is the share of exactly repeated numbers; a
@@ -104,7 +94,6 @@ def check_arl_eval(run_dir: Path, cwd: Path) -> None:
 
     from pipeline.shards import read_step_dir
 
-    arl = [sys.executable, "-m", "pipeline.cli"]
     done = subprocess.run([*arl, "eval", str(run_dir), "--step", str(STEPS), "--format", "json"], cwd=cwd,
                           env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
@@ -184,8 +173,9 @@ def test_demo_installed_from_the_wheel_runs_in_an_empty_directory(tmp_path: Path
     assert str(tmp_path / "venv") in where and str(REPO) not in where  # the installed package, not the checkout
     cwd = tmp_path / "empty"
     cwd.mkdir()
-    lines, demo_s = run_demo_piped([str(arl)], cwd, cwd / "runs")
-    run_dir = check_written_under(lines, cwd, cwd / "runs")
+    lines, demo_s = run_demo_piped([str(arl)], cwd, cwd / "results", "--out", "results")
+    run_dir = check_written_under(lines, cwd, cwd / "results")
     config = (run_dir / "config.yaml").read_text()
     assert str(tmp_path / "venv") in config and str(REPO) not in config  # agent and data from the package
     print(f"wheel built and installed in {installed_s:.0f}s; `arl demo --steps {STEPS}` took {demo_s:.0f}s")
+    check_arl_eval([str(arl)], run_dir, cwd)

@@ -149,6 +149,17 @@ def judge(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 @pytest.fixture(scope="module")
+def publish_judge(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Judge]:
+    """A judge of its own for the publisher's tests (each publishes the version after the one it serves): the
+    module's `judge` keeps the weights and version the other tests expect, and one start (~45 s) serves all."""
+    server = start_judge(tiny_model_dir, tmp_path_factory.mktemp("sglang_publish_judge"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
 def routes() -> dict[str, Any]:
     return judge_json("routes")
 
@@ -515,7 +526,7 @@ async def test_sglang_refuses_an_update_outside_a_session(judge: Judge) -> None:
     assert judge.model_info()["weight_version"] == str(version)
 
 
-def test_publisher_follows_sglangs_protocol(tiny_model_dir: Path, tmp_path: Path,
+def test_publisher_follows_sglangs_protocol(tiny_model_dir: Path, tmp_path: Path, publish_judge: Judge,
                                             monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """arl's real publisher, end to end: retract-pause, begin, buckets (version and flush with the last only), end,
     continue; the tensors SGLang received are the state dict; /model_info reports the version."""
@@ -525,17 +536,18 @@ def test_publisher_follows_sglangs_protocol(tiny_model_dir: Path, tmp_path: Path
     from schemas.engine_api import InferenceEntry
 
     monkeypatch.setattr(publish, "BUCKET_BYTES", 64)  # several buckets from a small state dict
-    judge = start_judge(tiny_model_dir, tmp_path / "judge")
+    judge = publish_judge
+    version = int(judge.model_info()["weight_version"]) + 1
     publisher = None
     try:
         paths = RunPaths.from_config(str(tmp_path), "contract", "publish")
         write_entry(paths, "judge", InferenceEntry(url=judge.url, backend="sglang", model_path=str(tiny_model_dir),
-                                                   weight_version=3, host="127.0.0.1", pid=judge.proc.pid,
+                                                   weight_version=version - 1, host="127.0.0.1", pid=judge.proc.pid,
                                                    started_at=time.time(), tp_size=1))  # fmt: skip
         state = {f"model.layers.{i}.weight": torch.randn(4, 4) for i in range(3)}
         mark = judge.mark()
         publisher = publish.make_publisher("nccl", paths, timeout_s=20, tied_embeddings=False)
-        report = publisher.publish(4, None, state)
+        report = publisher.publish(version, None, state)
         assert getattr(report, "servers", report) == [judge.url]  # a PublishReport (a URL list before it)
         judge.settle()  # the publisher's last call, /continue_generation, is answered before it is recorded
         kinds = [r["type"] for r in judge.records(mark) if r["type"] not in ("GetInternalStateReq", "Loaded")]
@@ -553,24 +565,23 @@ def test_publisher_follows_sglangs_protocol(tiny_model_dir: Path, tmp_path: Path
         (pause,) = judge.records(mark, "PauseGenerationReqInput")
         assert pause["mode"] == "retract"
         # SGLang's flush_cache defaults to true: the buckets before the last must say false
-        expected = [(None, False)] * (len(buckets) - 1) + [("4", True)]
+        expected = [(None, False)] * (len(buckets) - 1) + [(str(version), True)]
         assert [(b["weight_version"], b["flush_cache"]) for b in buckets] == expected
         loaded = judge.records(mark, "Loaded")
         names = [n for entry in loaded for n in entry["names"]]
         sums = [s for entry in loaded for s in entry["sums"]]
         assert names == list(state)
         assert sums == pytest.approx([float(t.double().sum()) for t in state.values()])
-        assert judge.model_info()["weight_version"] == "4"
+        assert judge.model_info()["weight_version"] == str(version)
     finally:
         if publisher is not None:
             publisher.close()
-        judge.stop()
 
 
 @pytest.mark.parametrize(("update_mode", "pause_mode", "sync"), [("interrupt", "in_place", "nccl"),
                                                                  ("wait", "retract", "disk")])  # fmt: skip
-def test_publisher_update_modes_on_sglang(tiny_model_dir: Path, tmp_path: Path, update_mode: str, pause_mode: str,
-                                          sync: str) -> None:  # fmt: skip
+def test_publisher_update_modes_on_sglang(tiny_model_dir: Path, tmp_path: Path, publish_judge: Judge,
+                                          update_mode: str, pause_mode: str, sync: str) -> None:  # fmt: skip
     """`inference.update_mode` against SGLang's own code: `interrupt` pauses with the configured SGLang mode
     (`in_place` here, which SGLang accepts); `wait` sends no pause at all (SGLang has no `wait` mode: its own
     model-update lock makes the disk load wait for the requests in flight) and the load still happens."""
@@ -579,27 +590,27 @@ def test_publisher_update_modes_on_sglang(tiny_model_dir: Path, tmp_path: Path, 
     from pipeline.trainer import publish
     from schemas.engine_api import InferenceEntry
 
-    judge = start_judge(tiny_model_dir, tmp_path / "judge")
+    judge = publish_judge
+    version = int(judge.model_info()["weight_version"]) + 1
     publisher = None
     try:
         paths = RunPaths.from_config(str(tmp_path), "contract", f"modes-{update_mode}")
         write_entry(paths, "judge", InferenceEntry(url=judge.url, backend="sglang", model_path=str(tiny_model_dir),
-                                                   weight_version=3, host="127.0.0.1", pid=judge.proc.pid,
+                                                   weight_version=version - 1, host="127.0.0.1", pid=judge.proc.pid,
                                                    started_at=time.time(), tp_size=1))  # fmt: skip
         mark = judge.mark()
         options = publish.PublishOptions(update_mode=update_mode, pause_mode=pause_mode)
         publisher = publish.make_publisher(sync, paths, timeout_s=20, tied_embeddings=False, options=options)
         state = {f"model.layers.{i}.weight": torch.randn(4, 4) for i in range(2)} if sync == "nccl" else None
-        report = publisher.publish(4, tiny_model_dir if sync == "disk" else None, state)
+        report = publisher.publish(version, tiny_model_dir if sync == "disk" else None, state)
         assert report.servers == [judge.url]
         judge.settle()
         pauses = [r["mode"] for r in judge.records(mark, "PauseGenerationReqInput")]
         assert pauses == ([pause_mode] if update_mode == "interrupt" else [])
         if sync == "disk":
             (load,) = judge.records(mark, "UpdateWeightFromDiskReqInput")
-            assert load["model_path"] == str(tiny_model_dir) and load["weight_version"] == "4"
-        assert judge.model_info()["weight_version"] == "4"
+            assert load["model_path"] == str(tiny_model_dir) and load["weight_version"] == str(version)
+        assert judge.model_info()["weight_version"] == str(version)
     finally:
         if publisher is not None:
             publisher.close()
-        judge.stop()
