@@ -43,6 +43,7 @@ def to_spec(req: MessagesRequest) -> CallSpec:
     if req.system:
         system = req.system if isinstance(req.system, str) else [b.model_dump() for b in req.system]
         messages.append({"role": "system", "content": content_text(system, "system")})
+    _check_tool_results(req.messages)
     for i, m in enumerate(req.messages):
         messages.extend(_convert(m, i))
     if req.messages[-1].role == "assistant":
@@ -64,6 +65,25 @@ def to_spec(req: MessagesRequest) -> CallSpec:
     return CallSpec(messages=messages, tools=tools or None, tool_choice=choice, tool_name=name,
                     max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                     stop=[s for s in req.stop_sequences or [] if s], api="messages")  # fmt: skip
+
+
+def _check_tool_results(messages: list[AnthropicMessage]) -> None:
+    """As Anthropic's API: every `tool_result` answers a `tool_use` block of the message just before it."""
+    offered: set[str] = set()
+    for i, m in enumerate(messages):
+        blocks = [] if isinstance(m.content, str) else m.content
+        extras = [(j, b.type, b.model_extra or {}) for j, b in enumerate(blocks)]
+        if m.role == "assistant":
+            offered = {str(extra.get("id")) for _, kind, extra in extras if kind == "tool_use"}
+            continue
+        for j, kind, extra in extras:
+            if kind == "tool_result" and str(extra.get("tool_use_id")) not in offered:
+                raise bad_request(
+                    f"messages[{i}].content[{j}]: tool_result for tool_use_id {extra.get('tool_use_id')!r}, but the "
+                    f"message before it has no tool_use block with that id (it has: {sorted(offered) or 'none'})",
+                    param="messages",
+                )  # fmt: skip
+        offered = set()
 
 
 def _convert(m: AnthropicMessage, i: int) -> list[Message]:

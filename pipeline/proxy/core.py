@@ -22,7 +22,7 @@ from pipeline.proxy.messages import Message, MessageKey, message_key, tool_call,
 from pipeline.proxy.parsers import TOOL_PARSERS, Event, OutputParser, Parsed, collect, parse_text
 from pipeline.proxy.sessions import Session
 from pipeline.proxy.streaming import IncrementalDetokenizer, StopHolder, cut_at_stop
-from pipeline.proxy.tokenize import ChatTokenizer, check_context
+from pipeline.proxy.tokenize import ChatTokenizer, check_context, check_context_bound
 from pipeline.trajectory import Interaction
 from schemas.api.rl import SamplingOverride
 from schemas.config.model import ModelConfig
@@ -99,6 +99,26 @@ class StreamItem:
     done: Completion | None = None
 
 
+_OFFLOAD_CHARS = 65536
+"""Prompts with more characters of content than this are prepared in a worker thread (`prepare_soon`)."""
+
+
+def prompt_chars(spec: CallSpec) -> int:
+    """Characters of the call's message contents and tool calls (a lower bound of the rendered prompt's)."""
+    total = 0
+    for message in spec.messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                total += len(function["arguments"])
+    return total
+
+
 def _first(imposed: float | None, asked: float | None) -> float | None:
     return imposed if imposed is not None else asked
 
@@ -115,6 +135,17 @@ class Generator:
         self._warned_version = False
 
     # -- prompt ---------------------------------------------------------------------------
+    async def prepare_soon(self, session: Session, spec: CallSpec) -> Prepared:
+        """`prepare`, without holding up the other sessions: a prompt whose characters alone exceed the context
+        is refused before it is rendered; a large one is rendered and tokenized in a worker thread (the
+        tokenizer releases the GIL there), so one agent's huge tool output does not freeze the event loop that
+        serves every other session. Small prompts, nearly all of them, are prepared inline."""
+        chars = prompt_chars(spec)
+        check_context_bound(chars, self.tokenizer.max_token_chars, self.model.max_context)
+        if chars > _OFFLOAD_CHARS:
+            return await asyncio.to_thread(self.prepare, session, spec)
+        return self.prepare(session, spec)
+
     def prepare(self, session: Session, spec: CallSpec) -> Prepared:
         if not spec.messages:
             raise bad_request("messages must hold at least one message", param="messages")
@@ -191,7 +222,7 @@ class Generator:
     # -- non-streaming ----------------------------------------------------------------------
     async def complete(self, session: Session, spec: CallSpec, ids: list[str]) -> list[Completion]:
         """Generate `len(ids)` choices concurrently and record each as an interaction."""
-        prep = self.prepare(session, spec)
+        prep = await self.prepare_soon(session, spec)
         session.inflight += 1
         try:
             results = await asyncio.gather(*(
@@ -230,7 +261,7 @@ class Generator:
 
         `prepare` runs before the first item, so request errors are raised before any byte is sent.
         """
-        prep = self.prepare(session, spec)
+        prep = await self.prepare_soon(session, spec)
         return self._stream_all(session, spec, prep, ids)
 
     async def _stream_all(self, session: Session, spec: CallSpec, prep: Prepared,

@@ -53,6 +53,9 @@ def to_spec(req: ChatCompletionRequest) -> CallSpec:
 def _message(m: ChatMessage, i: int) -> Message:
     where = f"messages[{i}].content"
     role = "system" if m.role == "developer" else m.role
+    if m.content is None and role != "assistant":  # as OpenAI: only an assistant turn may have none
+        raise bad_request(f"{where}: a {m.role} message needs content (null is accepted only for an assistant "
+                          "message, e.g. one with tool_calls)", param="messages")  # fmt: skip
     out: Message = {"role": role, "content": content_text(_parts(m.content), where)}
     if role == "assistant":
         if m.tool_calls:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ _SENTINEL = "\x00ARL_SENTINEL\x00"
 _CACHE_ENTRIES = 8192
 _CACHE_MAX_CHARS = 65536  # pieces longer than this are encoded but not cached
 _VERIFY_EVERY = 64  # window renders per check against a full render (the first one is always checked)
+_GIL_FREE_CHARS = 16384  # texts longer than this are encoded with the GIL released (`_encode_raw`)
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,10 @@ class ChatTokenizer:
         self._added: dict[str, int] = {tok.content: idx for idx, tok in self.hf.added_tokens_decoder.items()}
         self._splitter = _added_token_splitter(self.hf.added_tokens_decoder.values())
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self.max_token_chars = max((len(t) for t in self.hf.get_vocab()), default=1)
+        """The longest token's text (in characters of its vocabulary entry, byte-level or not): a prompt of C
+        characters is at least C / max_token_chars tokens."""
         self.stop_token_ids = _stop_token_ids(self.hf, Path(model_dir or self.path))
         self.close_text = self._detect_turn_close()
         self._turns: OrderedDict[str, str] = OrderedDict()
@@ -122,7 +128,7 @@ class ChatTokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` with no special tokens added (templates write BOS themselves)."""
         if self._splitter is None:
-            return list(self._backend.encode(text, add_special_tokens=False).ids)
+            return self._encode_raw(text)
         ids: list[int] = []
         for piece in self._splitter.split(text):
             if not piece:
@@ -135,16 +141,28 @@ class ChatTokenizer:
         return ids
 
     def _encode_piece(self, piece: str) -> list[int]:
-        cached = self._cache.get(piece)
-        if cached is not None:
-            self._cache.move_to_end(piece)
-            return cached
-        ids = list(self._backend.encode(piece, add_special_tokens=False).ids)
+        # A large prompt is prepared in a worker thread (`Generator.prepare_soon`) while the event loop prepares
+        # others: the cache's read-then-reorder must not interleave with an eviction.
+        with self._cache_lock:
+            cached = self._cache.get(piece)
+            if cached is not None:
+                self._cache.move_to_end(piece)
+                return cached
+        ids = self._encode_raw(piece)
         if len(piece) <= _CACHE_MAX_CHARS:
-            self._cache[piece] = ids
-            if len(self._cache) > _CACHE_ENTRIES:
-                self._cache.popitem(last=False)
+            with self._cache_lock:
+                self._cache[piece] = ids
+                if len(self._cache) > _CACHE_ENTRIES:
+                    self._cache.popitem(last=False)
         return ids
+
+    def _encode_raw(self, text: str) -> list[int]:
+        """The backend's ids. A long text goes through `encode_batch`, which releases the GIL while Rust works
+        (`encode` holds it: measured, 3 s for 2 MB with no other Python thread running), so a prompt tokenized
+        in a worker thread does not stop the event loop. Same ids either way."""
+        if len(text) > _GIL_FREE_CHARS:
+            return list(self._backend.encode_batch([text], add_special_tokens=False)[0].ids)
+        return list(self._backend.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -298,6 +316,20 @@ def _stop_token_ids(hf: Any, model_dir: Path) -> frozenset[int]:
         elif isinstance(value, list):
             ids.update(int(v) for v in value)
     return frozenset(ids)
+
+
+def check_context_bound(chars: int, max_token_chars: int, max_context: int) -> None:
+    """Refuse, before any rendering or tokenizing, a prompt whose characters alone prove it too long."""
+    at_least = -(-chars // max(max_token_chars, 1))
+    if at_least >= max_context:
+        raise ApiError(
+            400,
+            f"the prompt holds {chars} characters, so at least {at_least} tokens (no token of this tokenizer is "
+            f"longer than {max_token_chars} characters), but the model's context is {max_context} tokens "
+            "(model.max_context): shorten the conversation",
+            param="messages",
+            code="context_length_exceeded",
+        )
 
 
 def check_context(prompt_len: int, max_context: int) -> int:
