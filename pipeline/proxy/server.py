@@ -29,6 +29,7 @@ from pipeline.proxy import anthropic_messages, openai_chat, openai_responses, rl
 from pipeline.proxy.auth import ROUTE_KEYS, KeyCheck, caller_of, check_routes
 from pipeline.proxy.control import RUN_STATUS_HEADER
 from pipeline.proxy.core import Generator
+from pipeline.proxy.fields import refuse_unhonoured
 from pipeline.proxy.http import BodyLimit, RawPost, add_raw_posts, install_error_handlers, json_response, parse_body
 from pipeline.proxy.local import LocalControl
 from pipeline.proxy.parsers import check_parser_names
@@ -237,6 +238,7 @@ def _llm_routes(proxy: ProxyServer) -> list[RawPost]:
     async def chat_completions(request: Request) -> Response:
         session = proxy.session_for_call(request)
         body = await parse_body(request, ChatCompletionRequest)
+        refuse_unhonoured("chat", body, proxy.config.ignore_fields)
         spec = openai_chat.to_spec(body)
         cid, ids = openai_chat.new_ids(spec.n)
         session.completions[cid] = ids
@@ -249,11 +251,13 @@ def _llm_routes(proxy: ProxyServer) -> list[RawPost]:
     async def responses(request: Request) -> Response:
         session = proxy.session_for_call(request)
         body = await parse_body(request, ResponsesRequest)
+        refuse_unhonoured("responses", body, proxy.config.ignore_fields)
         return await openai_responses.handle(proxy.generator, session, body, served)
 
     async def messages(request: Request) -> Response:
         session = proxy.session_for_call(request)
         body = await parse_body(request, MessagesRequest)
+        refuse_unhonoured("messages", body, proxy.config.ignore_fields)
         return await anthropic_messages.handle(proxy.generator, session, body, served)
 
     return [RawPost("/v1/chat/completions", chat_completions, ChatCompletionRequest),

@@ -26,5 +26,8 @@ class ProxyConfig(Block):
     """Upper bound on any request's completion length (also capped by the context)."""
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     """Largest request body accepted (413 beyond)."""
+    ignore_fields: list[str] = Field(default_factory=list)
+    """Request fields arl cannot honour (penalties, `logit_bias`, `response_format`, reasoning controls,
+    `parallel_tool_calls: false`, Anthropic `thinking`) to drop instead of answering 400 (docs/proxy.md)."""
     require_capacity: bool = False
     """If true, `/rl/start_session` needs a prior `/grant_capacity` (staleness control by the rollout)."""

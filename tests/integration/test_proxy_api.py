@@ -179,3 +179,41 @@ async def test_bad_input_is_a_4xx_in_each_apis_shape(http: httpx.AsyncClient) ->
     # max_tokens beyond proxy.max_tokens_limit (4 here) is capped, not refused
     r = await _chat(http, s["api_key"], max_tokens=10_000, temperature=1.0)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
+
+
+@pytest.mark.parametrize(("path", "field", "value", "neutral"), [
+    (CHAT, "presence_penalty", 0.5, 0),
+    (CHAT, "frequency_penalty", -1.0, 0.0),
+    (CHAT, "logit_bias", {"42": 5}, {}),
+    (CHAT, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                                      "schema": {"type": "object"}}},
+     {"type": "text"}),
+    (CHAT, "response_format", {"type": "json_object"}, None),
+    (CHAT, "reasoning_effort", "high", None),
+    (CHAT, "parallel_tool_calls", False, True),
+    ("/v1/responses", "text", {"format": {"type": "json_object"}}, {"format": {"type": "text"}}),
+    ("/v1/responses", "reasoning", {"effort": "low"}, None),
+    ("/v1/responses", "parallel_tool_calls", False, True),
+    ("/v1/messages", "thinking", {"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}),
+])  # fmt: skip
+async def test_a_field_arl_cannot_honour_is_a_400_unless_neutral_or_ignored(
+    tiny_model_dir: Path, hf_engine_url: Any, start_proxy: Any, path: str, field: str, value: Any, neutral: Any
+) -> None:
+    """Asked for a different distribution or output, the proxy refuses rather than silently sampling as if not
+    asked; the value that changes nothing passes; `proxy.ignore_fields` drops the field on the operator's say."""
+    engine = hf_engine_url(tiny_model_dir)
+    strict = await start_proxy(tiny_model_dir, engine, max_tokens_limit=4)
+    lenient = await start_proxy(tiny_model_dir, engine, max_tokens_limit=4, ignore_fields=[field])
+    base = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    if path == "/v1/responses":
+        base = {"model": "m", "max_output_tokens": 2, "input": "hi"}
+    for proxy, body, status in ((strict, {**base, field: value}, 400), (strict, {**base, field: neutral}, 200),
+                                (lenient, {**base, field: value}, 200)):  # fmt: skip
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=60) as http:
+            session = await _start(http)
+            headers = {"x-api-key": session["api_key"]} if path == "/v1/messages" else _key(session["api_key"])
+            r = await http.post(path, headers=headers, json=body)
+        assert r.status_code == status, (field, body, r.text)
+        if status == 400:
+            message = r.json()["error"]["message"]
+            assert message.startswith(f"{field}=") and "proxy.ignore_fields" in message, message
