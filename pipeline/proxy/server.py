@@ -62,7 +62,8 @@ class ProxyServer:
         self.model = model
         self.config = proxy
         self.engine = engine
-        self.tokenizer = ChatTokenizer(model.tokenizer or model.path, model.chat_template, model_dir=model.path)
+        self.tokenizer = ChatTokenizer(model.tokenizer or model.path, model.chat_template, model_dir=model.path,
+                                       special_tokens_in_content=proxy.special_tokens_in_content)  # fmt: skip
         self.store = SessionStore(proxy, admin_key)
         self.control = LocalControl(self.store)
         self.generator = Generator(self.tokenizer, engine, model, proxy)

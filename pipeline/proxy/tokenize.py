@@ -43,6 +43,7 @@ from typing import Any
 
 from pipeline.proxy import template_probe
 from pipeline.proxy.errors import ApiError, bad_request
+from pipeline.proxy.literal import LiteralSpecials
 from pipeline.proxy.messages import Message
 
 log = logging.getLogger("arl.proxy.tokenize")
@@ -71,9 +72,11 @@ class ChatTokenizer:
 
     def __init__(
         self, tokenizer_path: str | Path, chat_template: str | Path | None = None, model_dir: str | Path | None = None,
-        *, loaded: Any = None,
+        *, loaded: Any = None, special_tokens_in_content: str = "text",
     ) -> None:  # fmt: skip
-        """`loaded`: the tokenizer at `tokenizer_path` already loaded by `AutoTokenizer` (not loaded again)."""
+        """`loaded`: the tokenizer at `tokenizer_path` already loaded by `AutoTokenizer` (not loaded again);
+        `special_tokens_in_content`: `text` (special-token strings in messages are text, `pipeline.proxy.literal`)
+        or `special` (encoded as the special tokens, as vLLM and SGLang do)."""
         from transformers import AutoTokenizer
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
@@ -88,6 +91,7 @@ class ChatTokenizer:
         self._backend = self.hf.backend_tokenizer
         self._added: dict[str, int] = {tok.content: idx for idx, tok in self.hf.added_tokens_decoder.items()}
         self._splitter = _added_token_splitter(self.hf.added_tokens_decoder.values())
+        self._literal = _literal_specials(self, special_tokens_in_content)
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
         self._cache_lock = threading.Lock()
         self.max_token_chars = max((len(t) for t in self.hf.get_vocab()), default=1)
@@ -108,6 +112,8 @@ class ChatTokenizer:
         """The template's text for a conversation; template errors become a 400 saying why."""
         from jinja2 import TemplateError
 
+        if self._literal is not None:
+            messages = self._literal.escape_messages(messages)
         try:
             return self._template.render(
                 messages=messages, tools=list(tools) if tools else None,
@@ -136,6 +142,8 @@ class ChatTokenizer:
             added = self._added.get(piece)
             if added is not None:
                 ids.append(added)
+            elif self._literal is not None and self._literal.holds_placeholder(piece):
+                ids.extend(self._literal.encode(piece))
             else:
                 ids.extend(self._encode_piece(piece))
         return ids
@@ -286,6 +294,21 @@ class ChatTokenizer:
             if last in self.stop_token_ids and text and self.close_text.startswith(text):
                 return self.close_text[len(text) :]
         return self.close_text
+
+
+def _literal_specials(tok: ChatTokenizer, mode: str) -> LiteralSpecials | None:
+    """What encodes special-token text in messages as text; None for `special`, or with nothing to escape."""
+    if mode not in ("text", "special"):
+        raise ValueError(f"special_tokens_in_content must be text or special, not {mode!r}")
+    specials = [t.content for t in tok.hf.added_tokens_decoder.values() if t.special]
+    if mode == "special" or not specials:
+        return None
+    if tok._splitter is None:
+        log.warning("%s: its added tokens strip whitespace or are normalized, so arl cannot keep special-token "
+                    "text in messages apart from the template's markup: it is encoded as special tokens",
+                    tok.path)  # fmt: skip
+        return None
+    return LiteralSpecials(tok._backend, specials)
 
 
 def _added_token_splitter(tokens: Any) -> re.Pattern[str] | None:

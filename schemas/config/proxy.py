@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from schemas.config.base import Block
@@ -26,6 +28,11 @@ class ProxyConfig(Block):
     """Upper bound on any request's completion length (also capped by the context)."""
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     """Largest request body accepted (413 beyond)."""
+    special_tokens_in_content: Literal["text", "special"] = "text"
+    """How special-token strings inside messages (content, reasoning, tool-call arguments) are tokenized: `text`
+    (as plain text: a tool's output cannot forge turn boundaries in the recorded tokens) or `special` (as the
+    special tokens, as vLLM and SGLang do; only for agents that rely on it). The template's markup is always
+    special."""
     ignore_fields: list[str] = Field(default_factory=list)
     """Request fields arl cannot honour (penalties, `logit_bias`, `response_format`, reasoning controls,
     `parallel_tool_calls: false`, Anthropic `thinking`) to drop instead of answering 400 (docs/proxy.md)."""
