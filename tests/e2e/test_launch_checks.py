@@ -99,7 +99,10 @@ def test_rows_lacking_the_agents_required_fields_are_refused(workdir: Path) -> N
     result = arl(workdir, "check", "config.yaml", "rollout.agent=field_agent.py:FieldAgent",
                  "rollout.dataset.path=rows.jsonl", "--executor", "local")  # fmt: skip
     assert result.returncode == 2
+    # the eval set keeps the demo's prompts and, naming no agent, gets the training agent: checked the same way
     assert errors(result) == ["error: rollout.dataset.path='rows.jsonl': row 1 lacks answer, which the agent "
+                              "requires (its required_fields)",
+                              f"error: eval.sets[0].path='{DATA}': row 0 lacks question, answer, which the agent "
                               "requires (its required_fields)"]  # fmt: skip
 
 
