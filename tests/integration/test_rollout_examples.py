@@ -16,10 +16,11 @@ from pipeline.stage import StageContext
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("name", ["tool_agent.yaml", "external.yaml"])
+@pytest.mark.parametrize("name", ["tool_agent.yaml", "external.yaml", "two_tasks.yaml", "demo.yaml"])
 def test_example_configs_parse(name: str) -> None:
     config = load_config(REPO / "examples" / name)
-    assert Path(REPO / config.rollout.dataset.path).exists()
+    assert all(Path(REPO / task.dataset.path).exists() for task in config.rollout.task_list())
+    assert all(Path(REPO / spec.path).exists() for spec in config.eval.sets)
 
 
 def test_calculator_is_safe_and_right() -> None:
