@@ -1,5 +1,5 @@
 # The two commands of the README, plus helpers. Each target installs what it needs first.
-.PHONY: install demo test test-fast bench lint clean
+.PHONY: install demo test test-fast fuzz bench lint clean
 
 install:
 	scripts/install.sh dev
@@ -12,6 +12,11 @@ test:
 
 test-fast: install
 	.venv/bin/python -m pytest -m "not slow and not slurm and not vllm" -x -q
+
+# The fuzz suites with ten times the cases CI runs (ARL_FUZZ_SCALE multiplies each suite's default count).
+fuzz: install
+	ARL_FUZZ_SCALE=10 .venv/bin/python -m pytest -q tests/integration/test_fuzz_proxy.py \
+		tests/integration/test_proxy_fuzz.py tests/integration/test_fuzz_engine.py
 
 bench:
 	scripts/install.sh dev,bench

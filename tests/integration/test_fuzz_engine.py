@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-EXAMPLES = int(os.environ.get("ARL_FUZZ_EXAMPLES", "80"))
+EXAMPLES = int(os.environ.get("ARL_FUZZ_EXAMPLES", str(80 * int(os.environ.get("ARL_FUZZ_SCALE", "1")))))
 TIMEOUT_S = 60.0
 GETS = ["/health", "/health_generate", "/model_info", "/server_info", "/get_model_info", "/get_server_info"]
 ADMIN_PATHS = {"/abort_request", "/pause_generation", "/continue_generation", "/update_weights_from_disk",

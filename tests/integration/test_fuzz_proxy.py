@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = int(os.environ.get("ARL_FUZZ_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("ARL_FUZZ_EXAMPLES", str(60 * int(os.environ.get("ARL_FUZZ_SCALE", "1")))))
 KEY_KINDS = ("none", "wrong", "admin", "client", "session")
 TIMEOUT_S = 60.0  # per request: a hang fails the case
 

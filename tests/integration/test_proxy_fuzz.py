@@ -25,7 +25,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-EXAMPLES = int(os.environ.get("ARL_FUZZ_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("ARL_FUZZ_EXAMPLES", str(40 * int(os.environ.get("ARL_FUZZ_SCALE", "1")))))
 SUPPRESSED = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
 ADMIN_PATHS = {"/grant_capacity", "/export_trajectories", "/rl/start_session"}
 
