@@ -53,8 +53,6 @@ class InRunEvaluation:
         self.finish_deadline: float | None = None
         self.task: asyncio.Task[None] | None = None
         self.sinks: MetricsSink | None = None
-        self.skipped: list[int] = []
-        """Versions not evaluated: the engines had moved past them, or other weights showed up in the tokens."""
 
     def start(self) -> None:
         self.sinks = open_sinks(self.paths, self.config)
@@ -80,7 +78,6 @@ class InRunEvaluation:
         for version in self.versions:
             served = await self._served_at_least(version)
             if served > version:
-                self.skipped.append(version)
                 log.warning("version %d is not evaluated: the engines already serve version %d (its evaluation was "
                             "not recorded before the trainer went on); `arl eval RUN_DIR --step %d` evaluates its "
                             "checkpoint offline if it is kept", version, served, version)  # fmt: skip
@@ -94,7 +91,6 @@ class InRunEvaluation:
             result = await evaluate_set(spec, self.config, self.where, version)
             foreign = sorted({v for row in result.rows for v in row.versions if v >= 0 and v != version})
             if foreign:
-                self.skipped.append(version)
                 log.warning("evaluation of version %d on %s is not recorded: some of its tokens were sampled by "
                             "version(s) %s (the trainer published during it: eval.hold_timeout_s ran out)",
                             version, spec.name, foreign)  # fmt: skip

@@ -69,10 +69,6 @@ class TaskMix:
         return {"next_positions": dict(zip(self.names, map(int, self.before(step + 1)), strict=True))}
 
 
-def row_task(row: TrajectoryRow) -> str:
-    return str(json.loads(row.metadata).get("task", "default"))
-
-
 def task_figures(rows: list[TrajectoryRow], names: list[str]) -> dict[str, float | int | None]:
     """`task/<name>/samples`, `.../reward_mean`, and the mean of each agent metric over the task's samples."""
     by_task: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
