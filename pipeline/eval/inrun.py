@@ -23,7 +23,7 @@ from typing import Any
 from pipeline.engine.client.wire import EngineError
 from pipeline.errors import WaitTimeout
 from pipeline.eval.hold import evaluated
-from pipeline.eval.results import is_recorded, open_sinks, record, restore_lines
+from pipeline.eval.results import is_recorded, open_sinks, record, restore_lines, sink_figures
 from pipeline.eval.runner import SetResult, Where, evaluate_set
 from pipeline.metrics import MetricsSink
 from pipeline.paths import RunPaths
@@ -97,7 +97,7 @@ class InRunEvaluation:
                 continue
             record(self.paths, self.config, result, f"engines at version {version}")
             if self.sinks is not None:
-                self.sinks.log(version, {f"{spec.name}/{k}": v for k, v in result.figures.items()})
+                self.sinks.log(version, sink_figures(result))
             log.info("%s", summary_line(result))
 
     async def _served_at_least(self, version: int) -> int:

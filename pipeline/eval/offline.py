@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ArlError
-from pipeline.eval.results import EVAL_STAGE, metrics_line, open_sinks, record
+from pipeline.eval.results import EVAL_STAGE, metrics_line, open_sinks, record, sink_figures
 from pipeline.eval.runner import SetResult, Where, evaluate_set
 from pipeline.paths import RunPaths, parse_step_name
 from schemas.config import ArlConfig, EvalSetConfig
@@ -45,7 +45,7 @@ def eval_command(run_dir: Path, *, step: int | None, checkpoint: Path | None, se
     try:
         for result in results:
             record(paths, config, result, model_path)
-            sinks.log(result.version, {f"{result.name}/{k}": v for k, v in result.figures.items()})
+            sinks.log(result.version, sink_figures(result))
     finally:
         sinks.close()
     print_results(results, fmt, model_path)

@@ -39,6 +39,11 @@ def record(paths: RunPaths, config: ArlConfig, result: SetResult, weights: str) 
     JsonlSink(paths.eval_metrics).log(result.version, metrics_line(result.version, result.name, extra))
 
 
+def sink_figures(result: SetResult) -> dict[str, Any]:
+    """The set's figures as TensorBoard/W&B series (`<set>/<figure>`, logged at the version)."""
+    return {f"{result.name}/{k}": v for k, v in result.figures.items()}
+
+
 def metrics_line(version: int, name: str, figures: dict[str, Any]) -> dict[str, Any]:
     return {"version": version, "set": name, **figures}
 
