@@ -22,6 +22,7 @@ import asyncio
 import inspect
 import json
 import logging
+import random
 import time
 import traceback
 import uuid
@@ -39,14 +40,20 @@ from pipeline.proxy.control import HttpControl, NoCapacity, SessionClient, Sessi
 
 log = logging.getLogger("arl.client")
 
-__all__ = ["AgentRunner", "AgentSession", "RunnerSummary", "resolve_proxy_url"]
+__all__ = ["AgentRunner", "AgentSession", "RunnerSummary", "resolve_proxy_url", "resolve_proxy_urls"]
 
 
 def resolve_proxy_url(proxy: str | Path, name: str | None = None) -> str:
-    """A proxy URL as given, or read from `<run dir>/registry/proxy/<name>.json` (the only entry if no name)."""
+    """A proxy URL as given, or read from `<run dir>/registry/proxy/<name>.json` (the only entry if no name): one
+    of its workers' URLs at random when the proxy runs several (`proxy.workers`), which spreads sessions."""
+    return random.choice(resolve_proxy_urls(proxy, name))
+
+
+def resolve_proxy_urls(proxy: str | Path, name: str | None = None) -> list[str]:
+    """Every worker URL of the proxy `resolve_proxy_url` names (one for a proxy URL given as such)."""
     text = str(proxy)
     if text.startswith(("http://", "https://")):
-        return root_url(text)
+        return [root_url(text)]
     registry = Path(proxy) / "registry" / "proxy"
     entries = sorted(registry.glob("*.json")) if registry.is_dir() else []
     entries = [e for e in entries if not e.name.endswith(".tmp")]
@@ -57,7 +64,8 @@ def resolve_proxy_url(proxy: str | Path, name: str | None = None) -> str:
                        "`arl stage proxy` running for this run dir? (or pass the proxy's URL)")  # fmt: skip
     if len(entries) > 1:
         raise ArlError(f"several proxies registered under {registry} ({[e.stem for e in entries]}): pass name=")
-    return root_url(str(json.loads(entries[0].read_text())["url"]))
+    entry = json.loads(entries[0].read_text())
+    return [root_url(str(url)) for url in entry.get("urls") or [entry["url"]]]
 
 
 class AgentSession:
@@ -190,7 +198,8 @@ class AgentRunner:
     def __init__(self, proxy: str | Path, *, client_key: str, group_size: int = 1, max_concurrency: int = 8,
                  run_timeout_s: float = 300.0, start_timeout_s: float = 600.0,
                  proxy_name: str | None = None) -> None:  # fmt: skip
-        self.proxy_url = resolve_proxy_url(proxy, proxy_name)
+        self.proxy_urls = resolve_proxy_urls(proxy, proxy_name)
+        self.proxy_url = self.proxy_urls[0]
         self.client_key = client_key
         self.group_size = group_size
         self.max_concurrency = max_concurrency
@@ -218,7 +227,9 @@ class AgentRunner:
     async def _one(self, agent_fn: AgentFn, data: dict[str, Any], group_id: str, index: int,
                    http: httpx.AsyncClient, summary: RunnerSummary) -> None:  # fmt: skip
         summary.runs += 1
-        session = AgentSession(self.proxy_url, client_key=self.client_key, group_id=group_id,
+        # Sessions spread over the proxy's workers in turn (each session stays on the one it started on).
+        url = self.proxy_urls[summary.runs % len(self.proxy_urls)]
+        session = AgentSession(url, client_key=self.client_key, group_id=group_id,
                                metadata={"dataset_index": index}, http_client=http,
                                start_timeout_s=self.start_timeout_s)  # fmt: skip
         try:

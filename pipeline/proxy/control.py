@@ -56,6 +56,9 @@ class NoCapacity(ProxyAPIError):
 class SessionInfo:
     session_id: str
     api_key: str
+    url: str | None = None
+    """The root URL of the proxy process serving the session, when it differs by session (a pool of workers:
+    `pipeline.proxy.pool`); None: the proxy's one URL."""
 
 
 @dataclass(frozen=True)
@@ -141,12 +144,14 @@ def _status_header(status: str | None) -> dict[str, str] | None:
 
 
 class HttpControl:
-    """`ProxyControl` over HTTP with one key (admin or client) against one proxy root URL."""
+    """`ProxyControl` over HTTP with one key (admin or client) against one proxy root URL. `export_wait_s`: how
+    long an export lets the proxy wait for the session's calls in flight (0: a 409 at once)."""
 
-    def __init__(self, url: str, key: str, http: httpx.AsyncClient) -> None:
+    def __init__(self, url: str, key: str, http: httpx.AsyncClient, *, export_wait_s: float = 0.0) -> None:
         self.url = root_url(url)
         self.key = key
         self.http = http
+        self.export_wait_s = export_wait_s
 
     async def grant_capacity(self, count: int = 1) -> None:
         await _post(self.http, f"{self.url}/grant_capacity", self.key, {"count": count})
@@ -175,8 +180,11 @@ class HttpControl:
                     _status_header(status))  # fmt: skip
 
     async def export(self, session_id: str, *, style: str, discount: float) -> ExportedSession:
-        """`/export_trajectories` (admin key); a session with calls in flight answers 409 (`ProxyAPIError`)."""
-        body = {"session_id": session_id, "style": style, "discount": discount}
+        """`/export_trajectories` (admin key); a session with calls in flight after `export_wait_s` answers 409
+        (`ProxyAPIError`)."""
+        body: dict[str, Any] = {"session_id": session_id, "style": style, "discount": discount}
+        if self.export_wait_s:
+            body["wait_s"] = self.export_wait_s
         data = await _post(self.http, f"{self.url}/export_trajectories", self.key, body)
         try:
             return ExportedSession.from_json(data)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from pipeline.proxy import rl
+from pipeline.proxy.capacity import Capacity
 from pipeline.proxy.control import ExportedSession, NoCapacity, ProxyAPIError, SessionInfo
 from pipeline.proxy.errors import ApiError
 from pipeline.proxy.sessions import Session, SessionStore
@@ -39,6 +40,11 @@ class LocalControl:
     def __init__(self, store: SessionStore, *, export_wait_s: float = 30.0) -> None:
         self.store = store
         self.export_wait_s = export_wait_s
+
+    @property
+    def capacity(self) -> Capacity:
+        """The proxy's session counts (granted slots, open and started sessions)."""
+        return self.store.capacity
 
     def _session(self, session_id: str) -> Session:
         return self.store.get(session_id)

@@ -105,8 +105,12 @@ async def finalize(store: SessionStore, caller: Caller, body: AnyAgentFinalize,
     return await end_session(store, caller, None, "finalize", run_status)
 
 
-def export(store: SessionStore, caller: Caller, body: ExportRequest) -> dict[str, Any]:
-    """The session's rows (every shard column but `step`; `created_at` in epoch ms); removes the session."""
+async def export(store: SessionStore, caller: Caller, body: ExportRequest) -> dict[str, Any]:
+    """The session's rows (every shard column but `step`; `created_at` in epoch ms); removes the session. Waits up
+    to `wait_s` for calls in flight (409 naming the session if they still run)."""
     if caller.kind != "admin":
         raise ApiError(403, "exporting trajectories needs the admin key")
-    return store.export(store.get(body.session_id), body.style, body.discount).to_json()
+    session = store.get(body.session_id)
+    if body.wait_s > 0:
+        await session.wait_idle(body.wait_s)
+    return store.export(session, body.style, body.discount).to_json()

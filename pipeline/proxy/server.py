@@ -27,6 +27,7 @@ from pipeline.engine.client import EngineClient
 from pipeline.engine.net import PeerLog, public_host
 from pipeline.proxy import anthropic_messages, openai_chat, openai_responses, rl
 from pipeline.proxy.auth import ROUTE_KEYS, KeyCheck, caller_of, check_routes
+from pipeline.proxy.capacity import Capacity
 from pipeline.proxy.control import RUN_STATUS_HEADER
 from pipeline.proxy.core import Generator
 from pipeline.proxy.fields import refuse_unhonoured
@@ -57,14 +58,16 @@ log = logging.getLogger("arl.proxy")
 class ProxyServer:
     """See the module docstring."""
 
-    def __init__(self, model: ModelConfig, proxy: ProxyConfig, engine: EngineClient, *, admin_key: str) -> None:
+    def __init__(self, model: ModelConfig, proxy: ProxyConfig, engine: EngineClient, *, admin_key: str,
+                 capacity: Capacity | None = None, worker: int | None = None) -> None:  # fmt: skip
+        """`capacity` and `worker`: set when this is one worker of a pool (`pipeline.proxy.pool`)."""
         check_parser_names(model.tool_parser, model.reasoning_parser)
         self.model = model
         self.config = proxy
         self.engine = engine
         self.tokenizer = ChatTokenizer(model.tokenizer or model.path, model.chat_template, model_dir=model.path,
                                        special_tokens_in_content=proxy.special_tokens_in_content)  # fmt: skip
-        self.store = SessionStore(proxy, admin_key)
+        self.store = SessionStore(proxy, admin_key, capacity=capacity, worker=worker)
         self.control = LocalControl(self.store)
         self.generator = Generator(self.tokenizer, engine, model, proxy)
         self.route_keys: dict[str, tuple[KeyKind, ...]] = dict(ROUTE_KEYS)
@@ -213,7 +216,7 @@ def build_app(proxy: ProxyServer) -> FastAPI:
 
     @app.post("/export_trajectories")
     async def export_trajectories(body: ExportRequest, caller: Caller = caller_dep) -> Response:
-        return json_response(rl.export(proxy.store, caller, body))
+        return json_response(await rl.export(proxy.store, caller, body))
 
     @app.post("/rl/v1/set_reward")
     async def any_agent_set_reward(body: AnyAgentSetReward, caller: Caller = caller_dep) -> Response:

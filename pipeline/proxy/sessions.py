@@ -40,6 +40,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pipeline.proxy.capacity import Capacity
 from pipeline.proxy.control import RUN_STATUSES, ExportedSession
 from pipeline.proxy.errors import ApiError
 from pipeline.proxy.messages import MessageKey, common_prefix_len, prefix_hashes
@@ -54,6 +55,15 @@ _ID_LEN = 16
 _TOMBSTONES = 100_000
 
 KeyKind = Literal["admin", "client", "session"]
+
+
+def worker_of(session_id: str) -> int | None:
+    """The pool worker that minted `session_id` (its first two hex digits; see `SessionStore`), None if malformed.
+    Only meaningful in a pool: a single proxy's ids are random throughout."""
+    try:
+        return int(session_id[:2], 16) if len(session_id) == _ID_LEN else None
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -205,9 +215,14 @@ class Session:
 
 
 class SessionStore:
-    """All sessions of one proxy process, with capacity control and idle cleanup."""
+    """All sessions of one proxy process, with capacity control and idle cleanup.
 
-    def __init__(self, config: ProxyConfig, admin_key: str) -> None:
+    `capacity`: the counts this store shares with the other workers of a pool (`pipeline.proxy.capacity`);
+    `worker`: this process's index in a pool, written into the first two hex digits of every session id it
+    mints, so that whoever holds an id knows which worker serves the session (`pipeline.proxy.pool`)."""
+
+    def __init__(self, config: ProxyConfig, admin_key: str, *, capacity: Capacity | None = None,
+                 worker: int | None = None) -> None:  # fmt: skip
         if not admin_key:
             raise ValueError("the proxy needs a non-empty admin key")
         self.config = config
@@ -215,13 +230,21 @@ class SessionStore:
         self._client_keys = [k.encode() for k in config.client_keys if k]
         self.sessions: dict[str, Session] = {}
         self._tombstones: OrderedDict[str, str] = OrderedDict()
-        self.grants = 0
-        self.started_total = 0
+        # Open sessions are counted, not scanned, because every start checks them (a scan made starting n
+        # sessions cost O(n^2): ~7% of a 512-run rollout step's CPU).
+        self.capacity = capacity or Capacity()
+        self.worker = worker
         self.prefix_breaks_total = 0
-        self._open = 0
-        """Sessions in `sessions` not ended yet: counted, not scanned, because every start checks it (a scan made
-        starting n sessions cost O(n^2): ~7% of a 512-run rollout step's CPU)."""
         self._end_hooks: list[EndHook] = []
+
+    @property
+    def grants(self) -> int:
+        return self.capacity.grants
+
+    @property
+    def started_total(self) -> int:
+        """Sessions started (by every worker of a pool)."""
+        return self.capacity.started
 
     def on_end(self, hook: EndHook) -> None:
         """Subscribe `hook` to every session's end (see the module docstring)."""
@@ -250,6 +273,11 @@ class SessionStore:
         session_id, secret = rest[:_ID_LEN], rest[_ID_LEN + 1 :]
         session = self.sessions.get(session_id)
         if session is None or not hmac.compare_digest(secret.encode(), session.secret.encode()):
+            owner = worker_of(session_id)
+            if session is None and self.worker is not None and owner is not None and owner != self.worker:
+                raise ApiError(421, f"session {session_id} is served by proxy worker {owner}, not this one "
+                               f"({self.worker}): send a session's calls to the URL it was started on",
+                               code="misdirected_session")  # fmt: skip
             if session is None and session_id in self._tombstones and len(rest) > _ID_LEN:
                 # The id was real once; the secret cannot be checked any more, so say only "ended".
                 raise ApiError(410, f"session {session_id} has ended ({self._tombstones[session_id]})",
@@ -259,28 +287,21 @@ class SessionStore:
 
     # -- lifecycle --------------------------------------------------------------------------
     def grant(self, count: int = 1) -> int:
-        self.grants += count
-        return self.grants
+        return self.capacity.grant(count)
 
     def open_count(self) -> int:
-        return self._open
+        """Open sessions (of every worker of a pool)."""
+        return self.capacity.open
 
     def start(self, owner: str, group_id: str | None, metadata: dict | None,
               sampling: SamplingOverride | None = None) -> Session:  # fmt: skip
-        if self.config.require_capacity and self.grants < 1:
-            raise ApiError(429, "no capacity: the rollout has not granted a session slot yet "
-                           "(proxy.require_capacity; an admin grants slots with POST /grant_capacity)")  # fmt: skip
-        if self.open_count() >= self.config.max_sessions:
-            raise ApiError(429, f"too many open sessions ({self.config.max_sessions}, proxy.max_sessions): "
-                           "end finished sessions with POST /rl/end_session")  # fmt: skip
-        if self.config.require_capacity:
-            self.grants -= 1
+        self.capacity.admit(require_grant=self.config.require_capacity, max_open=self.config.max_sessions)
         session_id = uuid.uuid4().hex[:_ID_LEN]
+        if self.worker is not None:
+            session_id = f"{self.worker:02x}{session_id[2:]}"
         tree = SessionTree(session_id, group_id or session_id, metadata)
         session = Session(session_id, secrets.token_urlsafe(24), owner, tree, sampling=sampling)
         self.sessions[session_id] = session
-        self._open += 1
-        self.started_total += 1
         return session
 
     def check_open(self, session: Session) -> None:
@@ -311,7 +332,7 @@ class SessionStore:
         if session.ended is None:
             session.ended = reason
             session.ended_at = time.monotonic()
-            self._open -= 1
+            self.capacity.release()
 
     def export(self, session: Session, style: ExportStyle, discount: float) -> ExportedSession:
         """The session's rows (no step assigned); removes the session. 409 while calls are in flight."""
@@ -342,7 +363,7 @@ class SessionStore:
         if session is not None:
             self.prefix_breaks_total += session.prefix_breaks
             if session.ended is None:
-                self._open -= 1
+                self.capacity.release()
         self._tombstones[session_id] = reason
         while len(self._tombstones) > _TOMBSTONES:
             self._tombstones.popitem(last=False)

@@ -30,12 +30,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.errors import ArlError
 from pipeline.paths import RunPaths
+from pipeline.proxy.control import ProxyControl
 from pipeline.proxy.local import LocalControl
+from pipeline.proxy.pool import PoolControl
 from pipeline.proxy.sessions import EndHook, SessionEnd
 from pipeline.rollout.loop import filter_rows, missing_steps, open_sink
 from pipeline.rollout.metrics import StepTally
@@ -55,13 +58,13 @@ class SpoolSubscriber:
     def __init__(self, spool: Spool, config: ArlConfig) -> None:
         self.spool = spool
         self.config = config
-        self.control: LocalControl | None = None
+        self.control: ProxyControl | None = None
         self.finished: asyncio.Queue[SpooledSession] = asyncio.Queue()
         self.saving = 0
         """Sessions being exported and spooled right now (they still occupy capacity)."""
         self.error: BaseException | None = None
 
-    def subscribe(self, control: LocalControl) -> EndHook:
+    def subscribe(self, control: ProxyControl) -> EndHook:
         """The hook `open_services` subscribes to the proxy before it listens (no end can be missed)."""
         self.control = control
         return self.on_end
@@ -89,7 +92,7 @@ class SpoolSubscriber:
                            "stage: every session it had spooled is kept.") from self.error  # fmt: skip
 
 
-async def record_session(control: LocalControl, spool: Spool, config: ArlConfig, session_id: str,
+async def record_session(control: ProxyControl, spool: Spool, config: ArlConfig, session_id: str,
                          status: str) -> SpooledSession:  # fmt: skip
     """Export one finished session and write it to the spool; durable when this returns."""
     cfg = config.rollout
@@ -137,7 +140,7 @@ class Admission:
 class ExternalRun:
     """What the stage's step loop works with."""
 
-    control: LocalControl
+    control: LocalControl | PoolControl
     subscriber: SpoolSubscriber
     spool: Spool
     paths: RunPaths
@@ -145,16 +148,18 @@ class ExternalRun:
     sink: Any
     name: str
     admission: Admission = field(default_factory=Admission)
+    check: Callable[[], None] = lambda: None
+    """Raises if the proxy cannot go on (a pool's worker died)."""
 
 
 async def admit(run: ExternalRun, step: int, buffered: int) -> None:
     """Top the proxy's capacity up to what the staleness bound allows right now."""
-    store, config = run.control.store, run.config
+    counts, config = run.control.capacity, run.config
     count = run.admission.slots(step=step, version=published_version(run.paths),
                                 max_staleness=config.rollout.max_staleness, num_steps=config.num_steps,
                                 batch_size=config.rollout.batch_size, buffered=buffered,
-                                in_flight=store.open_count() + run.subscriber.saving,
-                                started_total=store.started_total)  # fmt: skip
+                                in_flight=counts.open + run.subscriber.saving,
+                                started_total=counts.started)  # fmt: skip
     if count > 0:
         await run.control.grant_capacity(count)
         run.admission.granted += count
@@ -181,7 +186,7 @@ async def run_external(ctx: StageContext, *, name: str = "external") -> list[int
     sink = open_sink(ctx)
     async with open_services(config, paths, name=name, subscribe=subscriber.subscribe) as services:
         try:
-            run = ExternalRun(services.control, subscriber, spool, paths, config, sink, name)
+            run = ExternalRun(services.control, subscriber, spool, paths, config, sink, name, check=services.check)
             for step in steps:
                 await external_step(run, step)
         finally:
@@ -210,6 +215,7 @@ async def fill_step(run: ExternalRun, step: int, tally: StepTally) -> tuple[list
     sessions = 0
     while sessions < run.config.rollout.batch_size:
         subscriber.check()
+        run.check()
         await admit(run, step, sessions + subscriber.finished.qsize())
         try:
             record = await asyncio.wait_for(subscriber.finished.get(), 0.5)

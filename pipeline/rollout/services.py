@@ -1,11 +1,12 @@
 """What a rollout or standalone-proxy job runs beside its loop: the engine client and the proxy.
 
 `open_services` waits (with a deadline) for the inference servers to register, starts the proxy
-in this process, publishes `registry/proxy/<name>.json` (URL, host, pid, never a key) and yields
-the proxy's in-process control (`pipeline.proxy.local.LocalControl`: the session store, called
-directly). Agents reach the proxy over HTTP at its URL. The admin key, which only operators use
-(over HTTP), comes from `proxy.admin_key` or is generated and kept in `state/proxy_admin_key`
-(mode 600).
+in this process (or, with `proxy.workers` > 1, a pool of worker processes: `pipeline.proxy.pool`),
+publishes `registry/proxy/<name>.json` (URLs, host, pid, never a key) and yields the proxy's control:
+in process `pipeline.proxy.local.LocalControl` (the session store, called directly), for a pool
+`PoolControl` (each session's worker over HTTP). Agents reach the proxy over HTTP at its URL. The
+admin key, which only operators use (over HTTP), comes from `proxy.admin_key` or is generated and
+kept in `state/proxy_admin_key` (mode 600).
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from schemas.config import ArlConfig
 
 if TYPE_CHECKING:
     from pipeline.engine.client import EngineClient
+    from pipeline.proxy.control import ProxyControl
     from pipeline.proxy.local import LocalControl
-    from pipeline.proxy.server import ProxyServer
-    from pipeline.proxy.sessions import EndHook
+    from pipeline.proxy.pool import PoolControl
+    from pipeline.proxy.sessions import EndHook, SessionEnd
 
 log = logging.getLogger("arl.rollout")
 
@@ -42,12 +44,15 @@ log = logging.getLogger("arl.rollout")
 class Services:
     engine: EngineClient
     """Over the registered inference servers."""
-    proxy: ProxyServer
-    control: LocalControl
-    """The proxy's sessions, driven in this process."""
+    control: LocalControl | PoolControl
+    """The proxy's sessions: driven in this process, or over HTTP to the pool's workers."""
     proxy_url: str
     http: httpx.AsyncClient
     """For inline agents' calls to the proxy (shared: connection reuse)."""
+    urls: list[str]
+    """Every proxy process's URL (one unless `proxy.workers` > 1); a session's own is `SessionInfo.url`."""
+    check: Callable[[], None] = lambda: None
+    """Raises if a proxy worker died (a pool's sessions would be lost with it)."""
 
 
 def admin_key_for(config: ArlConfig, paths: RunPaths) -> str:
@@ -87,43 +92,82 @@ async def wait_for_servers(paths: RunPaths, timeout_s: float) -> list[str]:
     return list(found) if isinstance(found, list) else urls()
 
 
-def registry_entry(url: str) -> dict[str, Any]:
-    return {"url": url, "host": socket.gethostname(), "pid": os.getpid(),
+def registry_entry(urls: list[str]) -> dict[str, Any]:
+    """`url`: the first worker's (any one serves whole sessions); `urls`: every worker's (`proxy.workers`)."""
+    return {"url": urls[0], "urls": urls, "host": socket.gethostname(), "pid": os.getpid(),
             "started_at": datetime.now(UTC).isoformat(timespec="seconds")}  # fmt: skip
 
 
 @contextlib.asynccontextmanager
 async def open_services(
-    config: ArlConfig, paths: RunPaths, *, name: str, subscribe: Callable[[LocalControl], EndHook] | None = None
+    config: ArlConfig, paths: RunPaths, *, name: str, subscribe: Callable[[ProxyControl], EndHook] | None = None
 ) -> AsyncIterator[Services]:
-    """Engine client + in-process proxy (listening once this yields) + its registry entry; all closed/removed
-    on exit. `subscribe(control)` returns a hook for the proxy's session ends (`SessionStore.on_end`),
-    subscribed before the proxy listens, so that no end is missed."""
+    """Engine client + the proxy (listening once this yields: in this process, or a pool of `proxy.workers`
+    processes) + its registry entry; all closed/removed on exit. `subscribe(control)` returns a hook for the
+    proxy's session ends (`SessionStore.on_end`), subscribed before the proxy listens, so that no end is missed."""
     from pipeline.engine.client import EngineClient
     from pipeline.engine.registry import urls_from_registry
-    from pipeline.proxy.server import ProxyServer
 
     await wait_for_servers(paths, config.inference.startup_timeout_s)
     engine = EngineClient(urls_from_registry(paths), request_timeout_s=config.inference.request_timeout_s)
     await engine.start()
+    entry = paths.proxy_entry(name)
+    try:
+        opened = _open_pool if config.proxy.workers > 1 else _open_in_process
+        async with opened(config, paths, engine, subscribe) as services:
+            write_json_atomic(entry, registry_entry(services.urls))
+            log.info("proxy %s serving at %s (registry entry %s)", name, ", ".join(services.urls), entry)
+            yield services
+    finally:
+        entry.unlink(missing_ok=True)
+        await engine.close()
+
+
+@contextlib.asynccontextmanager
+async def _open_in_process(config: ArlConfig, paths: RunPaths, engine: EngineClient,
+                           subscribe: Callable[[ProxyControl], EndHook] | None) -> AsyncIterator[Services]:  # fmt: skip
+    from pipeline.proxy.server import ProxyServer
+
     proxy = ProxyServer(config.model, config.proxy, engine, admin_key=admin_key_for(config, paths))
     if subscribe is not None:
         proxy.store.on_end(subscribe(proxy.control))
-    entry = paths.proxy_entry(name)
     http = None
     try:
         url = await proxy.start()
         http = agent_http_client(config.rollout.run_timeout_s + 60, proxy_url=url, proxy_app=proxy.app,
                                  transport=config.rollout.agent_transport)  # fmt: skip
-        write_json_atomic(entry, registry_entry(url))
-        log.info("proxy %s serving at %s (registry entry %s)", name, url, entry)
-        yield Services(engine=engine, proxy=proxy, control=proxy.control, proxy_url=url, http=http)
+        yield Services(engine=engine, control=proxy.control, proxy_url=url, http=http, urls=[url])
     finally:
-        entry.unlink(missing_ok=True)
         if http is not None:
             await http.aclose()
         await proxy.stop()
-        await engine.close()
+
+
+@contextlib.asynccontextmanager
+async def _open_pool(config: ArlConfig, paths: RunPaths, engine: EngineClient,
+                     subscribe: Callable[[ProxyControl], EndHook] | None) -> AsyncIterator[Services]:  # fmt: skip
+    """`proxy.workers` processes (`pipeline.proxy.pool`); their ends, if subscribed, handled in this process."""
+    from pipeline.proxy.pool import open_pool
+
+    http = agent_http_client(config.rollout.run_timeout_s + 60, transport="http")
+    hook: list[EndHook] = []
+    subscribed = asyncio.Event()
+
+    async def on_end(event: SessionEnd) -> None:
+        await subscribed.wait()  # an end can reach us between the workers listening and `subscribe` below
+        await hook[0](event)
+
+    try:
+        async with open_pool(config.model, config.proxy, admin_key=admin_key_for(config, paths), http=http,
+                             run_root=str(paths.root), request_timeout_s=config.inference.request_timeout_s,
+                             on_end=on_end if subscribe is not None else None) as (pool, control):  # fmt: skip
+            if subscribe is not None:
+                hook.append(subscribe(control))
+                subscribed.set()
+            yield Services(engine=engine, control=control, proxy_url=pool.urls[0], http=http, urls=pool.urls,
+                           check=pool.check)  # fmt: skip
+    finally:
+        await http.aclose()
 
 
 def agent_http_client(timeout_s: float, *, proxy_url: str | None = None, proxy_app: Any = None,

@@ -41,7 +41,9 @@ async def drive_session(control: ProxyControl, proxy_url: str, executor: Executo
     carries an error when the session could not be exported (the run is then lost, not the step)."""
     session = await admit_session(control, plan.group_id, plan.metadata, plan.timeout_s, plan.sampling)
     plan.session_id = session.session_id
-    report = await executor.run(data, RunContext(proxy_url, session, plan.temperature), plan.timeout_s)
+    # A pool of proxy workers serves each session on its own worker: the agent gets that worker's URL.
+    context = RunContext(session.url or proxy_url, session, plan.temperature)
+    report = await executor.run(data, context, plan.timeout_s)
     report = await apply_rewards(control, session.session_id, report)
     await end_quietly(control, session.session_id)
     exported = await export_session(control, session.session_id, config.rollout.export_style,

@@ -58,6 +58,8 @@ class ExportRequest(Strict):
     discount: float = Field(default=1.0, ge=0.0, le=1.0)
     """Reward discount over the conversation tree: node = own + discount x mean(children)."""
     style: Literal["individual", "concat"] = "individual"
+    wait_s: float = Field(default=0.0, ge=0.0, le=600.0)
+    """How long to wait for the session's calls still in flight before exporting (0: answer 409 at once)."""
 
 
 class AnyAgentSetReward(Strict):

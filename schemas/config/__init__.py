@@ -113,6 +113,17 @@ class ArlConfig(Block):
         return self
 
     @model_validator(mode="after")
+    def _workers_are_reached_over_http(self) -> ArlConfig:
+        """Several proxy workers are other processes: no agent request can be handed to them in process."""
+        if self.proxy.workers > 1 and self.rollout.source == "agent" and self.rollout.agent_transport == "in_process":
+            raise PydanticCustomError(
+                UNSUPPORTED, "proxy.workers={workers} runs the proxy in other processes, which inline agents cannot "
+                "reach in process: set rollout.agent_transport=http (or proxy.workers=1)",
+                {"workers": self.proxy.workers},
+            )  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
     def _sglang_waits_for_disk_only(self) -> ArlConfig:
         """SGLang has no pause that lets requests finish: with `update_mode: wait` the trainer sends the update
         unpaused and SGLang's own lock holds new requests until those in flight are done. That holds for one

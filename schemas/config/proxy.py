@@ -13,7 +13,12 @@ class ProxyConfig(Block):
     host: str = "127.0.0.1"
     """Interface the proxy binds to. It binds nowhere else; use `0.0.0.0` only for external agents."""
     port: int = Field(0, ge=0, le=65535)
-    """Port; 0 picks a free one (the chosen URL is written to `registry/proxy/`)."""
+    """Port; 0 picks a free one (the chosen URL is written to `registry/proxy/`). With `workers` > 1, worker k
+    listens on `port + k` (or on a free port each when 0)."""
+    workers: int = Field(1, ge=1, le=64)
+    """Proxy processes on the stage's host, each on its own port, to use more than one core. A session lives on
+    the worker it was started on (its id names it); capacity and `max_sessions` are counted across all of them.
+    The registry entry lists every worker's URL under `urls` (docs/proxy.md, "Several workers")."""
     admin_key: str | None = None
     """Admin key; `None` generates a random one per run, stored in `state/proxy_admin_key` (mode 600)."""
     client_keys: list[str] = Field(default_factory=list)

@@ -79,7 +79,8 @@ async def test_external_agent_process_fills_steps(tmp_path: Path, tiny_model_dir
     stage = asyncio.create_task(run_external(StageContext("proxy", paths, config)))
     await wait_until(lambda: paths.proxy_entry("external").exists(), stage)
     entry = json.loads(paths.proxy_entry("external").read_text())
-    assert set(entry) == {"url", "host", "pid", "started_at"}, "the registry entry never holds a key"
+    assert set(entry) == {"url", "urls", "host", "pid", "started_at"}, "the registry entry never holds a key"
+    assert entry["urls"] == [entry["url"]]
 
     # A run that raises and one that rejects: ended cleanly, trained on never, their slots re-granted.
     with pytest.raises(RuntimeError, match="agent bug"):

@@ -116,11 +116,12 @@ def make_run(tmp_path: Path, model_dir: Path, engine_url: str, agent: str,
     agents.write_text(AGENTS)
     data = tmp_path / "data.jsonl"
     rows = rollout.pop("rows", None) or [{"question": f"What is {i} + {i}?", "i": i} for i in range(6)]
+    proxy = {"default_max_tokens": 8, **rollout.pop("proxy", {})}
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     raw = {
         "fileroot": str(tmp_path / "runs"), "num_steps": rollout.pop("num_steps", 2),
         "model": {"path": str(model_dir)},
-        "proxy": {"default_max_tokens": 8},
+        "proxy": proxy,
         "rollout": {"agent": f"{agents}:{agent}", "dataset": {"path": str(data), "seed": 3},
                     "batch_size": 2, "group_size": 2, "max_concurrency": 4, "run_timeout_s": 60,
                     "wait_timeout_s": 30, **rollout},
@@ -165,7 +166,7 @@ async def test_metrics_wandb_offline_puts_the_reward_curve_in_the_stages_wandb_r
     assert (run.run.job_type, run.run.run_group) == ("rollout", f"{config.experiment_name}/{config.trial_name}")
 
 
-@pytest.mark.parametrize("transport", ["in_process", "http"])
+@pytest.mark.parametrize("transport", ["in_process", "http", "pool"])
 async def test_inline_tool_agent_produces_valid_shards(
     tmp_path: Path, tiny_model_dir: Path, engine_url: str, transport: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -174,13 +175,20 @@ async def test_inline_tool_agent_produces_valid_shards(
     rows_in = [{"question": f"What is {i} + {i}?", "i": i} for i in range(6)]
     rows_in[1]["reject"] = True
     rows_in[4]["boom"] = True
+    # "pool": two proxy worker processes (proxy.workers), each run's session on one of them, reached over TCP.
     config, paths = make_run(tmp_path, tiny_model_dir, engine_url, "InlineToolAgent", rows=rows_in,
-                             agent_kwargs={"max_tokens": 5}, max_error_rate=0.5, agent_transport=transport)  # fmt: skip
+                             agent_kwargs={"max_tokens": 5}, max_error_rate=0.5,
+                             agent_transport="http" if transport == "pool" else transport,
+                             proxy={"workers": 2} if transport == "pool" else {})  # fmt: skip
     caplog.set_level(logging.INFO, logger="arl")
     assert await run_rollout(StageContext("rollout", paths, config)) == [0, 1]
-    peers = [r.getMessage() for r in caplog.records if "first request from" in r.getMessage()]
-    # Over TCP the proxy sees the agents' address; handed over in process there is no peer at all.
+    peers = [m for m in (r.getMessage() for r in caplog.records) if "first request from" in m and "proxy" in m]
+    # Over TCP the proxy sees the agents' address; handed over in process there is no peer at all (a pool's
+    # workers log theirs in their own processes).
     assert bool(peers) == (transport == "http"), peers
+    if transport == "pool":
+        sessions = {r["session_id"] for step in (0, 1) for r in read_rows(paths, step)}
+        assert {s[:2] for s in sessions} == {"00", "01"}, "the runs' sessions were spread over both workers"
 
     schedule = build_schedule(config)
     for step in (0, 1):
