@@ -39,7 +39,7 @@ def check_slurm(config: ArlConfig, *, executor: str, submit: bool) -> Outcome:
     partitions = read_partitions()
     if not partitions:
         return Outcome("", problems=[Problem("--executor", "slurm", "sinfo lists no partition: is the cluster up?")])
-    problems: list[Problem] = []
+    problems: list[Problem] = _proxy_cores(config)
     accounts = _user_accounts()
     for stage in stages_for(config):
         problems += _stage_problems(stage, getattr(config.cluster, stage), partitions, accounts)
@@ -70,6 +70,16 @@ def gpus_in(gres: str) -> int:
         if match:
             total += int(match.group(1))
     return total
+
+
+def _proxy_cores(config: ArlConfig) -> list[Problem]:
+    """Each proxy worker is one busy process: fewer CPUs than workers and they only take turns on them."""
+    stage = "proxy" if config.rollout.source == "external" else "rollout"
+    cpus = getattr(config.cluster, stage).cpus_per_task
+    if config.proxy.workers > cpus:
+        return [Problem(f"cluster.{stage}.cpus_per_task", cpus, f"fewer CPUs than proxy.workers={config.proxy.workers}"
+                        f" (one core each): raise it to at least {config.proxy.workers}, or lower proxy.workers")]
+    return []
 
 
 def _stage_problems(stage: str, res: StageResources, partitions: dict[str, Partition],

@@ -123,10 +123,13 @@ def test_a_dry_run_writes_only_under_out(workdir: Path) -> None:
 @slurm
 def test_slurm_requests_the_cluster_cannot_meet_are_refused(workdir: Path) -> None:
     result = arl(workdir, "launch", "config.yaml", "cluster.train.partition=gpu-nope",
-                 "cluster.inference.gpus_per_node=4", "cluster.rollout.nodelist=node77")  # fmt: skip
+                 "cluster.inference.gpus_per_node=4", "cluster.rollout.nodelist=node77", "proxy.workers=2",
+                 "rollout.agent_transport=http")  # fmt: skip
     assert result.returncode == 2, result.stdout + result.stderr
     lines = errors(result)
-    assert len(lines) == 3, lines
+    assert len(lines) == 4, lines
+    assert any(line.startswith("error: cluster.rollout.cpus_per_task=1: fewer CPUs than proxy.workers=2")
+               for line in lines)  # fmt: skip
     assert any(line.startswith("error: cluster.train.partition='gpu-nope': no such partition") for line in lines)
     assert any(line.startswith("error: cluster.inference.gpus_per_node=4: no node of partition") for line in lines)
     assert any(line.startswith("error: cluster.rollout.nodelist='node77': node77 not in partition") for line in lines)

@@ -218,3 +218,15 @@ def test_padded_micro_batches_need_the_torch_backend() -> None:
     assert validate_config({"trainer": {"packing": "padded"}}).trainer.packing == "padded"
     with pytest.raises(ConfigError, match=r"trainer\.packing=padded needs trainer\.backend=torch"):
         validate_config({"trainer": {"backend": "megatron", "packing": "padded"}})
+
+
+def test_several_proxy_workers_need_agents_over_http() -> None:
+    """A pool's workers are other processes: inline agents cannot hand them requests in process."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, ["proxy.workers=2"])
+    message = str(refused.value)
+    assert "\n" not in message and "rollout.agent_transport=http" in message, message
+    load_config(None, ["proxy.workers=2", "rollout.agent_transport=http"])
+    load_config(None, ["proxy.workers=2", "rollout.source=external", "proxy.client_keys=[k]"])
+    with pytest.raises(ConfigError, match=r"proxy\.workers"):
+        load_config(None, ["proxy.workers=0"])
