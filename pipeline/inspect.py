@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from pipeline.errors import ArlError
 from pipeline.paths import MANIFEST, RunPaths, parse_step_name
 from pipeline.shards import per_row_sampled_and_versions, read_part, read_step_dir, row_metadata, step_stats
+from schemas.config.rollout import task_of
 from schemas.manifest import Manifest
 from schemas.trajectory import META_TOKENIZER, SCHEMA
 
@@ -149,7 +150,7 @@ def only_task(views: list[StepView], task: str, path: Path) -> list[StepView]:
     kept = []
     for view in views:
         metadata = view.table.column("metadata").to_pylist()
-        tasks = [row_metadata(m, i).get("task", "default") for i, m in enumerate(metadata)]
+        tasks = [task_of(row_metadata(m, i)) for i, m in enumerate(metadata)]
         found.update(tasks)
         mask = pa.array([t == task for t in tasks], type=pa.bool_())
         if any(t == task for t in tasks):

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from pipeline.errors import ArlError
 from pipeline.handoff import read_json, write_json_atomic
 from schemas.config import DatasetConfig
+from schemas.config.rollout import DEFAULT_TASK
 
 
 class DataError(ArlError):
@@ -130,7 +131,7 @@ class Prompt:
     index: int
     """Row index in the dataset."""
     data: dict[str, Any]
-    task: str = "default"
+    task: str = DEFAULT_TASK
     """The task it belongs to (`rollout.tasks`; `default` for the one-task shorthand)."""
 
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from pipeline.rollout.data import Prompt, Schedule, load_rows
 from schemas.config import TaskConfig
+from schemas.config.rollout import task_of
 from schemas.trajectory import TrajectoryRow
 
 
@@ -74,7 +75,7 @@ def task_figures(rows: list[TrajectoryRow], names: list[str]) -> dict[str, float
     by_task: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for row in rows:
         metadata = json.loads(row.metadata)
-        by_task.setdefault(str(metadata.get("task", "default")), []).append({"reward": row.reward, **metadata})
+        by_task.setdefault(task_of(metadata), []).append({"reward": row.reward, **metadata})
     figures: dict[str, float | int | None] = {}
     for name, samples in by_task.items():
         figures[f"task/{name}/samples"] = len(samples)

@@ -19,6 +19,7 @@ import numpy as np
 
 from pipeline.errors import SchemaError
 from pipeline.paths import RunPaths
+from schemas.config.rollout import DEFAULT_TASK, task_of
 
 log = logging.getLogger("arl.trainer")
 
@@ -36,7 +37,7 @@ class Sample:
     logprobs: np.ndarray
     versions: np.ndarray
     reward: float
-    task: str = "default"
+    task: str = DEFAULT_TASK
     """`metadata.task` (runs with `rollout.tasks`), read only where the trainer needs it."""
 
     @property
@@ -70,7 +71,7 @@ def rows_to_samples(rows: list[dict]) -> list[Sample]:
             logprobs=np.asarray(r["logprobs"], dtype=np.float32),
             versions=np.asarray(r["versions"], dtype=np.int32),
             reward=float(r["reward"]),
-            task=str(json.loads(r["metadata"]).get("task", "default")) if "metadata" in r else "default",
+            task=task_of(json.loads(r["metadata"])) if "metadata" in r else DEFAULT_TASK,
         )
         for r in rows
     ]

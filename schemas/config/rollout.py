@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from schemas.config.base import UNSUPPORTED, Block
+
+DEFAULT_TASK = "default"
+"""The task of a run without `rollout.tasks`, and of any sample whose metadata names none."""
+
+
+def task_of(metadata: Mapping[str, Any]) -> str:
+    """The task a sample belongs to, from its metadata (`metadata.task`, written by the rollout)."""
+    return str(metadata.get("task", DEFAULT_TASK))
 
 
 class DatasetConfig(Block):
@@ -115,4 +124,4 @@ class RolloutConfig(Block):
         """The run's tasks: `tasks`, or the shorthand as one task named `default`."""
         if self.tasks:
             return list(self.tasks)
-        return [TaskConfig(name="default", agent=self.agent, agent_kwargs=self.agent_kwargs, dataset=self.dataset)]
+        return [TaskConfig(name=DEFAULT_TASK, agent=self.agent, agent_kwargs=self.agent_kwargs, dataset=self.dataset)]
