@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+import pytest_asyncio
 
 from pipeline.stage import StageContext
 from tests.integration.test_external_agents import CLIENT_KEY, make_run, wait_until
@@ -88,8 +89,10 @@ async def test_256_concurrent_sessions_over_two_workers_are_each_recorded_once(
     assert not list(paths.proxy_spool.glob("*.json"))
 
 
-@pytest.fixture
-async def pool(tmp_path: Path, tiny_model_dir: Path, engine_url: str) -> Any:
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pool(tiny_model_dir: Path, engine_url: str) -> Any:
+    """One pool for the tests below (started once: spawning two workers takes seconds); the last one kills a
+    worker."""
     from pipeline.proxy.pool import open_pool
     from schemas.config.model import ModelConfig
     from schemas.config.proxy import ProxyConfig
@@ -103,6 +106,7 @@ async def pool(tmp_path: Path, tiny_model_dir: Path, engine_url: str) -> Any:
         yield started, control, http
 
 
+@pytest.mark.asyncio(loop_scope="module")
 async def test_capacity_and_the_session_bound_are_counted_across_workers(pool: Any) -> None:
     from pipeline.proxy.control import HttpControl, NoCapacity
 
@@ -128,9 +132,10 @@ async def test_capacity_and_the_session_bound_are_counted_across_workers(pool: A
     assert health == [2, 2], "each worker reports the pool's open sessions"
 
 
+@pytest.mark.asyncio(loop_scope="module")
 async def test_a_session_key_sent_to_another_worker_is_answered_421_naming_its_worker(pool: Any) -> None:
     started, control, http = pool
-    await control.grant_capacity(1)
+    await control.grant_capacity(1)  # the third open session of max_sessions 3 (the test above left two)
     session = await control.start_session()
     owner = int(session.session_id[:2], 16)
     assert session.url == started.urls[owner]
@@ -144,6 +149,7 @@ async def test_a_session_key_sent_to_another_worker_is_answered_421_naming_its_w
     assert right.status_code == 200, right.text
 
 
+@pytest.mark.asyncio(loop_scope="module")
 async def test_a_dead_worker_stops_the_pool_with_its_name(pool: Any) -> None:
     started, _control, _http = pool
     victim = started.workers[1].process
