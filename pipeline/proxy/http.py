@@ -214,7 +214,9 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"method {request.method} is not allowed on {request.url.path}"
         else:
             message = str(exc.detail)
-        return error_response(request.url.path, ApiError(exc.status_code, message))
+        response = error_response(request.url.path, ApiError(exc.status_code, message))
+        response.headers.update(exc.headers or {})  # a 405's `Allow` (RFC 9110: the methods the path serves)
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
