@@ -20,7 +20,7 @@ STATUS_TEXT = {
     401: "No key, or an unknown key",
     403: "A key of the wrong kind, or one acting on another's session",
     404: "No such session, interaction or response",
-    409: "Conflicts with the session's state (a reward already set, a session already ended)",
+    409: "The session still has calls in flight",
     410: "The session has ended",
     413: "The body is larger than the server accepts",
     429: "At capacity (sessions or capacity grants)",
@@ -60,6 +60,17 @@ def sse_stream(event: dict[str, Any], *, done_marker: bool) -> dict[str, Any]:
     return {"text/event-stream": {"schema": schema}}
 
 
+def add_components(schema: dict[str, Any], models: Iterable[type[BaseModel]]) -> dict[str, Any]:
+    """Put each model's JSON Schema (and its sub-models) in the document's components; returns them."""
+    components: dict[str, Any] = schema.setdefault("components", {}).setdefault("schemas", {})
+    for model in models:
+        js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, sub in js.pop("$defs", {}).items():
+            components.setdefault(name, sub)
+        components[model.__name__] = js
+    return components
+
+
 def publish(
     app: FastAPI, models: Iterable[type[BaseModel]], *, edit: Callable[[dict[str, Any]], None] | None = None
 ) -> None:
@@ -71,12 +82,7 @@ def publish(
         if app.openapi_schema:
             return app.openapi_schema
         schema = default()
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in extra:
-            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
-            for name, sub in js.pop("$defs", {}).items():
-                components.setdefault(name, sub)
-            components[model.__name__] = js
+        components = add_components(schema, extra)
         for item in schema.get("paths", {}).values():
             for operation in item.values():
                 operation.get("responses", {}).pop("422", None)
