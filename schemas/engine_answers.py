@@ -93,7 +93,8 @@ class ServerInfo(_Open):
     tp_size: int
     dp_size: int
     weight_version: str
-    paused: bool
+    paused: bool | str | None
+    """`hf`: the pause mode (null: generating); the vLLM adapter: whether it is paused (mode in `pause_mode`)."""
 
 
 WeightRows = list[float] | list[list[Any]]

@@ -110,11 +110,12 @@ def _generation_routes(app: FastAPI, backend: EngineBackend) -> None:
 
     health_doc = {**_EMPTY_OK, **errors(EngineError, 503, "5XX")}
 
-    @app.get("/health", response_model=None, responses=health_doc)
+    # response_class=Response: a 200 has no body, so no content type (FastAPI would document JSON).
+    @app.get("/health", response_model=None, response_class=Response, responses=health_doc)
     async def health_route() -> Response:
         return await health(False)
 
-    @app.get("/health_generate", response_model=None, responses=health_doc)
+    @app.get("/health_generate", response_model=None, response_class=Response, responses=health_doc)
     async def health_generate() -> Response:
         return await health(True)
 
@@ -177,7 +178,7 @@ def _admin(body: type[BaseModel] | None = None, *, optional: bool = False) -> di
 
 
 def _control_routes(app: FastAPI, backend: EngineBackend) -> None:
-    @app.post("/abort_request", response_model=None, openapi_extra=json_body(AbortReq),
+    @app.post("/abort_request", response_model=None, response_class=Response, openapi_extra=json_body(AbortReq),
               responses={**_EMPTY_OK, **errors(AdminAnswer, 400), **_FAILED})  # fmt: skip
     async def abort_request(request: Request) -> Response:
         body = await parse_body(request, AbortReq)
