@@ -168,3 +168,23 @@ async def test_an_engine_abort_leaves_as_an_api_value(proxy: Any, tiny_model_dir
     else:
         message = anthropic.types.Message.model_validate(data)
         assert message.stop_reason == "max_tokens" and data["arl_finish_reason"] == "abort"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/generate", {"input_ids": [[False]]}, "input_ids"),
+        ("/generate", {"input_ids": [1, 2], "stream": 0}, "stream"),
+        ("/generate", {"input_ids": [1, 2], "sampling_params": {"temperature": False}}, "temperature"),
+        ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2.0}}, "max_new_tokens"),
+        ("/abort_request", {"abort_all": 1}, "abort_all"),
+        ("/get_weights_by_name", {"name": "lm_head.weight", "truncate_size": True}, "truncate_size"),
+    ],
+)
+async def test_the_engine_refuses_wrong_types(tiny_model_dir: Path, hf_engine_url: Any, path: str,
+                                              body: dict[str, Any], field: str) -> None:  # fmt: skip
+    async with httpx.AsyncClient(timeout=60) as http:
+        reply = await http.post(hf_engine_url(tiny_model_dir) + path, json=body)
+    assert reply.status_code == 400, reply.text
+    message = reply.json()["error"]["message"] if path == "/generate" else reply.json()["message"]
+    assert field in message, message
