@@ -82,7 +82,7 @@ class EndAnswer(BaseModel):
 
 
 class ExportAnswer(_Open):
-    """`/export_trajectories`: the session's samples (docs/proxy.md, "Export"; rows: schemas/trajectory.py)."""
+    """`/export_trajectories`: the session's samples (docs/proxy.md; rows: schemas/trajectory.py)."""
 
     samples: list[dict[str, Any]]
     prefix_breaks: int
