@@ -286,7 +286,8 @@ async def _stream(rid: str, model: str, req: ResponsesRequest, items: Any, sessi
                 for kind, data in builder.close():
                     yield event(kind, data)
                 _remember(session, rid, chain, item.done)
-                yield event("response.completed", {"response": _response(rid, model, req, builder.items, item.done)})
+                final = "response.incomplete" if item.done.truncated else "response.completed"  # as OpenAI
+                yield event(final, {"response": _response(rid, model, req, builder.items, item.done)})
             elif item.event is not None:
                 for kind, data in builder.add(item.event):
                     yield event(kind, data)

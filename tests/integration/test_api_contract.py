@@ -121,7 +121,9 @@ CALLS = {
     "chat": ("/v1/chat/completions", {"messages": USER, "max_tokens": 200}),
     "chat-stream": ("/v1/chat/completions", {"messages": USER, "max_tokens": 200, "stream": True}),
     "responses": ("/v1/responses", {"input": "hi", "max_output_tokens": 200}),
+    "responses-stream": ("/v1/responses", {"input": "hi", "max_output_tokens": 200, "stream": True}),
     "messages": ("/v1/messages", {"messages": USER, "max_tokens": 200}),
+    "messages-stream": ("/v1/messages", {"messages": USER, "max_tokens": 200, "stream": True}),
 }
 
 
@@ -143,18 +145,30 @@ async def _aborted(proxy: Any, engine: str, path: str, body: dict[str, Any]) -> 
             await http.post(engine + "/continue_generation")
 
 
+def _check_aborted_stream(api: str, events: list[dict[str, Any]]) -> None:
+    if api == "chat-stream":
+        last = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]][-1]
+        for event in events:
+            openai.types.chat.ChatCompletionChunk.model_validate(event)
+        assert last["choices"][0]["finish_reason"] == "length" and last["choices"][0]["arl_finish_reason"] == "abort"
+    elif api == "responses-stream":
+        final = openai.types.responses.ResponseIncompleteEvent.model_validate(events[-1])
+        assert final.response.status == "incomplete" and events[-1]["response"]["arl_finish_reason"] == "abort"
+    else:
+        (delta,) = [e for e in events if e["type"] == "message_delta"]
+        anthropic.types.RawMessageDeltaEvent.model_validate(delta)
+        assert delta["delta"]["stop_reason"] == "max_tokens" and delta["delta"]["arl_finish_reason"] == "abort"
+
+
 @pytest.mark.parametrize("api", sorted(CALLS))
 async def test_an_engine_abort_leaves_as_an_api_value(proxy: Any, tiny_model_dir: Path, hf_engine_url: Any,
                                                       api: str) -> None:  # fmt: skip
     path, body = CALLS[api]
     reply = await _aborted(proxy, hf_engine_url(tiny_model_dir), path, body)
     assert reply.status_code == 200, reply.text
-    if api == "chat-stream":
-        events = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
-        last = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]][-1]
-        for event in events:
-            openai.types.chat.ChatCompletionChunk.model_validate(event)
-        assert last["choices"][0]["finish_reason"] == "length" and last["choices"][0]["arl_finish_reason"] == "abort"
+    if api.endswith("-stream"):
+        _check_aborted_stream(api, [json.loads(line[6:]) for line in reply.text.splitlines()
+                                    if line.startswith("data: {")])  # fmt: skip
         return
     data = reply.json()
     assert data["arl_finish_reason" if api != "chat" else "choices"] is not None
