@@ -15,6 +15,10 @@ so a publisher that would hang against SGLang fails against arl's servers too.
 Every body is parsed here; input the server cannot serve is a 400 that names the problem, in
 `{"error": {"message", "type", "code"}}` on `/generate` and SGLang's `{"success": false, "message"}`
 on the admin routes; never a 5xx.
+
+`GET /openapi.json` describes all of it truthfully: the hand-parsed bodies' models (`apidoc.json_body`),
+each answer's model (`schemas/engine_answers.py`), every status with its body, the event stream; the fuzz
+suite checks the running server against it.
 """
 
 from __future__ import annotations
@@ -143,10 +147,16 @@ def _generation_routes(app: FastAPI, backend: EngineBackend) -> None:
 
 def _info_routes(app: FastAPI, backend: EngineBackend) -> None:
     # SGLang's current names, and the deprecated ones it still serves (older clients call them).
+    async def model_info() -> JSONResponse:
+        return JSONResponse(backend.model_info())
+
+    async def server_info() -> JSONResponse:
+        return JSONResponse(backend.server_info())
+
     for path in ("/model_info", "/get_model_info"):
-        app.get(path, response_model=None, responses={200: {"model": ModelInfo}, **_FAILED})(_model_info)
+        app.get(path, response_model=None, responses={200: {"model": ModelInfo}, **_FAILED})(model_info)
     for path in ("/server_info", "/get_server_info"):
-        app.get(path, response_model=None, responses={200: {"model": ServerInfo}, **_FAILED})(_server_info)
+        app.get(path, response_model=None, responses={200: {"model": ServerInfo}, **_FAILED})(server_info)
     # SGLang's answer is plain text (what was flushed, or why not); GET and POST are separate operations.
     flushed = {"content": {"text/plain": {"schema": {"type": "string"}}}}
     flush_doc: dict[int | str, Any] = {200: {**flushed, "description": "Flushed"},
@@ -160,15 +170,6 @@ def _info_routes(app: FastAPI, backend: EngineBackend) -> None:
             operation_id="flush_cache_get")(flush_cache)  # fmt: skip
     app.post("/flush_cache", response_model=None, responses={**flush_doc, **_FAILED},
              operation_id="flush_cache_post")(flush_cache)  # fmt: skip
-    app.state.backend = backend
-
-
-async def _model_info(request: Request) -> JSONResponse:
-    return JSONResponse(request.app.state.backend.model_info())
-
-
-async def _server_info(request: Request) -> JSONResponse:
-    return JSONResponse(request.app.state.backend.server_info())
 
 
 def _admin(body: type[BaseModel] | None = None, *, optional: bool = False) -> dict[str, Any]:
