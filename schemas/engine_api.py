@@ -62,7 +62,9 @@ NEUTRAL_SAMPLING_FIELDS: dict[str, Any] = {
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a JSON `true` is not the token id 1, nor `0` a boolean (lax pydantic would coerce both);
+    # integers are still numbers where a float is expected, as in JSON Schema.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class SamplingParams(_Strict):

@@ -24,7 +24,8 @@ from pipeline.proxy.sessions import Session
 from pipeline.proxy.streaming import SSE_HEADERS, sse
 from schemas.api.anthropic import AnthropicMessage, Block, MessagesRequest
 
-_STOP = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens", "abort": "end_turn"}
+_STOP = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens", "abort": "max_tokens"}
+# abort: see `Completion.arl_fields` (the real reason travels as `arl_finish_reason`).
 
 
 async def handle(gen: Generator, session: Session, req: MessagesRequest, model: str) -> Response:
@@ -172,7 +173,8 @@ def response_body(mid: str, model: str, done: Completion) -> dict[str, Any]:
     reason, sequence = _stop(done)
     return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": _blocks(done),
             "stop_reason": reason, "stop_sequence": sequence,
-            "usage": {"input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens}}  # fmt: skip
+            "usage": {"input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens},
+            **done.arl_fields()}  # fmt: skip
 
 
 async def _stream(mid: str, model: str, items: Any) -> AsyncIterator[bytes]:
@@ -193,7 +195,8 @@ async def _stream(mid: str, model: str, items: Any) -> AsyncIterator[bytes]:
                 if open_kind is not None:
                     yield event("content_block_stop", {"index": index})
                 reason, sequence = _stop(item.done)
-                yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence,
+                                                        **item.done.arl_fields()},
                             "usage": {"input_tokens": item.done.prompt_tokens,
                                       "output_tokens": item.done.completion_tokens}})  # fmt: skip
                 yield event("message_stop", {})

@@ -89,6 +89,19 @@ class Completion:
     def id(self) -> str:
         return self.interaction.id
 
+    def arl_fields(self) -> dict[str, str]:
+        """`{"arl_finish_reason": "abort"}` for an engine abort, else nothing.
+
+        No API has an "abort" value: an aborted answer (a pause in abort mode, a weight update that aborts
+        requests) was cut short, so each API reports it with its own truncation value (chat `length`,
+        Responses `incomplete`/`max_output_tokens`, Anthropic `max_tokens`: the client may continue it) and
+        this field keeps the real reason for clients that care (docs/proxy.md, "Finish reasons")."""
+        return {"arl_finish_reason": "abort"} if self.finish_reason == "abort" else {}
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason in ("length", "abort")
+
 
 @dataclass
 class StreamItem:

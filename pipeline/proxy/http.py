@@ -11,7 +11,7 @@ import json
 import logging
 import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -22,6 +22,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pipeline.apidoc import add_components
 from pipeline.proxy.errors import ApiError, format_validation_errors
 
 log = logging.getLogger("arl.proxy.http")
@@ -61,6 +62,9 @@ class RawPost:
     path: str
     endpoint: Callable[[Request], Awaitable[Response]]
     body: type[BaseModel]
+    responses: dict[str, Any] = field(default_factory=dict)
+    """OpenAPI response objects by status; the models their schemas refer to are in `models`."""
+    models: tuple[type[BaseModel], ...] = ()
 
 
 def add_raw_posts(app: FastAPI, routes: list[RawPost]) -> None:
@@ -78,13 +82,9 @@ def add_raw_posts(app: FastAPI, routes: list[RawPost]) -> None:
         if app.openapi_schema:
             return app.openapi_schema
         schema = default()
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
         paths = schema.setdefault("paths", {})
         for route in routes:
-            js = route.body.model_json_schema(ref_template="#/components/schemas/{model}")
-            for name, sub in js.pop("$defs", {}).items():
-                components.setdefault(name, sub)
-            components[route.body.__name__] = js
+            add_components(schema, (route.body, *route.models))
             paths[route.path] = {"post": _operation(route)}
         app.openapi_schema = schema
         return schema
@@ -100,7 +100,7 @@ def _operation(route: RawPost) -> dict[str, Any]:
         "summary": name.replace("_", " ").title(),
         "operationId": f"{name}{path_id}_post",
         "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
-        "responses": {"200": {"description": "Successful Response", "content": {"application/json": {"schema": {}}}}},
+        "responses": route.responses,
     }
 
 
@@ -214,7 +214,9 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"method {request.method} is not allowed on {request.url.path}"
         else:
             message = str(exc.detail)
-        return error_response(request.url.path, ApiError(exc.status_code, message))
+        response = error_response(request.url.path, ApiError(exc.status_code, message))
+        response.headers.update(exc.headers or {})  # a 405's `Allow` (RFC 9110: the methods the path serves)
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:

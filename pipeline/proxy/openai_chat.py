@@ -105,6 +105,11 @@ def _logprobs(tokenizer: ChatTokenizer, c: Completion) -> dict[str, Any]:
     return {"content": token_logprobs(tokenizer, c), "refusal": None}
 
 
+def finish(c: Completion) -> dict[str, str]:
+    """A choice's `finish_reason`, one of OpenAI's values (`Completion.arl_fields` says why abort is `length`)."""
+    return {"finish_reason": "length" if c.truncated else c.finish_reason, **c.arl_fields()}
+
+
 def usage(completions: list[Completion]) -> dict[str, int]:
     prompt = completions[0].prompt_tokens if completions else 0
     out = sum(c.completion_tokens for c in completions)
@@ -116,8 +121,7 @@ def response_body(cid: str, model: str, req: ChatCompletionRequest, completions:
     choices = []
     for c in completions:
         logprobs = _logprobs(tokenizer, c) if req.logprobs else None
-        choices.append({"index": c.index, "message": response_message(c), "logprobs": logprobs,
-                        "finish_reason": c.finish_reason})  # fmt: skip
+        choices.append({"index": c.index, "message": response_message(c), "logprobs": logprobs, **finish(c)})
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(completions), "system_fingerprint": None}  # fmt: skip
 
@@ -128,8 +132,9 @@ async def stream_body(cid: str, model: str, req: ChatCompletionRequest, items: A
     created = int(time.time())
     n = req.n or 1
 
-    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    def chunk(index: int, delta: dict[str, Any], done: Completion | None = None, logprobs: Any = None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                  **(finish(done) if done is not None else {"finish_reason": None})}  # fmt: skip
         return sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                     "choices": [choice]})  # fmt: skip
 
@@ -143,7 +148,7 @@ async def stream_body(cid: str, model: str, req: ChatCompletionRequest, items: A
                 c = item.done
                 done.append(c)
                 logprobs = _logprobs(tokenizer, c) if req.logprobs else None
-                yield chunk(item.index, {}, c.finish_reason, logprobs)
+                yield chunk(item.index, {}, c, logprobs)
                 continue
             event = item.event
             assert event is not None

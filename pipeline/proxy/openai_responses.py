@@ -244,10 +244,11 @@ def _copy(item: dict[str, Any]) -> dict[str, Any]:
 
 def _response(rid: str, model: str, req: ResponsesRequest, output: list[dict[str, Any]],
               done: Completion | None) -> dict[str, Any]:  # fmt: skip
-    status = "in_progress" if done is None else ("incomplete" if done.finish_reason == "length" else "completed")
+    status = "in_progress" if done is None else ("incomplete" if done.truncated else "completed")
     usage = None
     if done is not None:
-        usage = {"input_tokens": done.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        usage = {"input_tokens": done.prompt_tokens,
+                 "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},  # the SDK requires both
                  "output_tokens": done.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": done.prompt_tokens + done.completion_tokens}  # fmt: skip
     tools = [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
@@ -262,6 +263,7 @@ def _response(rid: str, model: str, req: ResponsesRequest, output: list[dict[str
         "metadata": req.metadata or {}, "usage": usage, "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "text": {"format": {"type": "text"}}, "truncation": "disabled", "top_logprobs": req.top_logprobs,
+        **(done.arl_fields() if done is not None else {}),
     }  # fmt: skip
 
 
@@ -284,7 +286,8 @@ async def _stream(rid: str, model: str, req: ResponsesRequest, items: Any, sessi
                 for kind, data in builder.close():
                     yield event(kind, data)
                 _remember(session, rid, chain, item.done)
-                yield event("response.completed", {"response": _response(rid, model, req, builder.items, item.done)})
+                final = "response.incomplete" if item.done.truncated else "response.completed"  # as OpenAI
+                yield event(final, {"response": _response(rid, model, req, builder.items, item.done)})
             elif item.event is not None:
                 for kind, data in builder.add(item.event):
                     yield event(kind, data)

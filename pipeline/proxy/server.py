@@ -23,9 +23,11 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 
+from pipeline.apidoc import publish
 from pipeline.engine.client import EngineClient
 from pipeline.engine.net import PeerLog, public_host
 from pipeline.proxy import anthropic_messages, openai_chat, openai_responses, rl
+from pipeline.proxy import openapi as doc
 from pipeline.proxy.auth import ROUTE_KEYS, KeyCheck, caller_of, check_routes
 from pipeline.proxy.capacity import Capacity
 from pipeline.proxy.control import RUN_STATUS_HEADER
@@ -183,50 +185,51 @@ def build_app(proxy: ProxyServer) -> FastAPI:
     app.add_middleware(PeerLog, logger=log, what="proxy")  # where agents really call from (docs/operations.md)
     served = proxy.model.served_name
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses=doc.HEALTH)
     async def health() -> Response:
         return json_response({"status": "ok", "model": served, "open_sessions": proxy.store.open_count()})
 
     # The key kinds of each route are in auth.ROUTE_KEYS, checked before the body is read.
     caller_dep = Depends(caller_of)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses=doc.MODELS)
     async def models(caller: Caller = caller_dep) -> Response:
         return json_response({"object": "list", "data": [
             {"id": served, "object": "model", "created": 0, "owned_by": "arl", "type": "model", "display_name": served,
              "created_at": "1970-01-01T00:00:00Z", "max_model_len": proxy.model.max_context}]})  # fmt: skip
 
-    @app.post("/grant_capacity")
+    @app.post("/grant_capacity", response_model=None, responses=doc.GRANT)
     async def grant_capacity(caller: Caller = caller_dep, body: GrantCapacityRequest | None = None) -> Response:
         available = proxy.store.grant((body or GrantCapacityRequest()).count)
         return json_response({"available": available})
 
-    @app.post("/rl/start_session")
+    @app.post("/rl/start_session", response_model=None, responses=doc.START)
     async def start_session(caller: Caller = caller_dep, body: StartSessionRequest | None = None) -> Response:
         return json_response(rl.start_session(proxy.store, caller, body))
 
-    @app.post("/rl/set_reward")
+    @app.post("/rl/set_reward", response_model=None, responses=doc.SET_REWARD)
     async def set_reward(body: SetRewardRequest, caller: Caller = caller_dep) -> Response:
         return json_response(rl.set_reward(proxy.store, caller, body))
 
-    @app.post("/rl/end_session")
+    @app.post("/rl/end_session", response_model=None, responses=doc.END)
     async def end_session(request: Request, caller: Caller = caller_dep,
                           body: EndSessionRequest | None = None) -> Response:  # fmt: skip
         return json_response(await rl.end_session(proxy.store, caller, body, "end_session", _run_status(request)))
 
-    @app.post("/export_trajectories")
+    @app.post("/export_trajectories", response_model=None, responses=doc.EXPORT)
     async def export_trajectories(body: ExportRequest, caller: Caller = caller_dep) -> Response:
         return json_response(await rl.export(proxy.store, caller, body))
 
-    @app.post("/rl/v1/set_reward")
+    @app.post("/rl/v1/set_reward", response_model=None, responses=doc.SET_REWARD)
     async def any_agent_set_reward(body: AnyAgentSetReward, caller: Caller = caller_dep) -> Response:
         return json_response(rl.any_agent_set_reward(proxy.store, caller, body))
 
-    @app.post("/rl/v1/finalize")
+    @app.post("/rl/v1/finalize", response_model=None, responses=doc.END)
     async def any_agent_finalize(request: Request, body: AnyAgentFinalize, caller: Caller = caller_dep) -> Response:
         return json_response(await rl.finalize(proxy.store, caller, body, _run_status(request)))
 
     add_raw_posts(app, _llm_routes(proxy))
+    publish(app, doc.EVENT_MODELS)  # 400 where FastAPI would say 422; the streams' event models
     return app
 
 
@@ -264,9 +267,9 @@ def _llm_routes(proxy: ProxyServer) -> list[RawPost]:
         refuse_unhonoured("messages", body, proxy.config.ignore_fields)
         return await anthropic_messages.handle(proxy.generator, session, body, served)
 
-    return [RawPost("/v1/chat/completions", chat_completions, ChatCompletionRequest),
-            RawPost("/v1/responses", responses, ResponsesRequest),
-            RawPost("/v1/messages", messages, MessagesRequest)]  # fmt: skip
+    return [RawPost("/v1/chat/completions", chat_completions, ChatCompletionRequest, *doc.CHAT),
+            RawPost("/v1/responses", responses, ResponsesRequest, *doc.RESPONSES),
+            RawPost("/v1/messages", messages, MessagesRequest, *doc.MESSAGES)]  # fmt: skip
 
 
 def _sse(chunks: AsyncIterator[bytes]) -> StreamingResponse:

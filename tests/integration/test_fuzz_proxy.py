@@ -1,5 +1,6 @@
 """Schemathesis against the proxy's own OpenAPI schema, every operation, valid and invalid inputs,
-with every kind of key: zero 5xx, zero hangs, and every error in the API's JSON error shape.
+with every kind of key: zero 5xx, zero hangs, every answer as documented (Schemathesis' status-code,
+content-type and response-schema conformance checks) and every error in the API's JSON error shape.
 
 The proxy is its own process (the `benchmarks/proxy_load.py` harness) in front of a real `hf` engine
 process; completions are capped at 3 tokens (`proxy.max_tokens_limit`) so thousands of cases stay
@@ -81,9 +82,19 @@ def key_for(target: Target, kind: str) -> str | None:
     return {"none": None, "wrong": "sk-wrong", "admin": target.admin, "client": target.client}[kind]
 
 
-def check(response: Any, label: str) -> None:
-    """No 5xx (502/503 would mean the engine failed, which it must not here); errors are JSON objects."""
+def check(case: Any, response: Any, label: str) -> None:
+    """No 5xx (502/503 would mean the engine failed, which it must not here); the documented status, content
+    type and body; errors are JSON objects."""
+    from schemathesis.checks import (  # type: ignore[attr-defined]
+        content_type_conformance,
+        not_a_server_error,
+        response_schema_conformance,
+        status_code_conformance,
+    )
+
     assert response.status_code < 500, f"{label}: {response.status_code} {response.text[:500]}"
+    case.validate_response(response, checks=[not_a_server_error, status_code_conformance, content_type_conformance,
+                                             response_schema_conformance])  # fmt: skip
     if response.status_code >= 400:
         body = response.json()
         assert isinstance(body, dict) and "error" in body, f"{label}: error body {response.text[:300]}"
@@ -105,7 +116,7 @@ def fuzz_operation(target: Target, operation: Any, generation: Any, http: Any, s
         if os.environ.get("ARL_FUZZ_TRACE"):
             print(f"{time.strftime('%X')} {operation.label} {kind} -> {response.status_code} "
                   f"{float(response.elapsed):.2f}s", flush=True)  # fmt: skip
-        check(response, f"{operation.label} ({kind} key)")
+        check(case, response, f"{operation.label} ({kind} key)")
 
     return fuzz
 

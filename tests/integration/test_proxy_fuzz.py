@@ -1,7 +1,8 @@
 """Fuzz every proxy endpoint from the app's own OpenAPI schema (schemathesis): zero 5xx, zero hangs.
 
 The proxy runs for real (uvicorn on loopback, a real `hf` engine behind it) in a background thread
-with its own event loop, because schemathesis' generated tests are synchronous. Each case carries
+with its own event loop, because schemathesis' generated tests are synchronous. Every answer is checked
+against the document (Schemathesis' status-code, content-type and response-schema conformance). Each case carries
 the right kind of key for its endpoint (a fresh session key for LLM and session calls, the admin
 key for admin calls), so generated bodies reach the handlers instead of stopping at a 401.
 
@@ -24,9 +25,16 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
+from schemathesis.checks import (  # type: ignore[attr-defined]
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 EXAMPLES = int(os.environ.get("ARL_FUZZ_EXAMPLES", str(40 * int(os.environ.get("ARL_FUZZ_SCALE", "1")))))
 SUPPRESSED = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
+CONFORMANCE = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 ADMIN_PATHS = {"/grant_capacity", "/export_trajectories", "/rl/start_session"}
 
 
@@ -131,6 +139,7 @@ def test_no_5xx_and_no_hang(method: str, path: str, mode: str, fuzz_proxy: Threa
         response = case.call(base_url=fuzz_proxy.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
         seen.append(response.status_code)
         assert response.status_code < 500, f"{method} {path} -> {response.status_code}: {response.text[:500]}"
+        case.validate_response(response, checks=CONFORMANCE)  # status, content type and body as documented
         if response.status_code >= 400:
             body = response.json()
             assert "error" in body and body["error"]["message"], body

@@ -15,34 +15,29 @@ so a publisher that would hang against SGLang fails against arl's servers too.
 Every body is parsed here; input the server cannot serve is a 400 that names the problem, in
 `{"error": {"message", "type", "code"}}` on `/generate` and SGLang's `{"success": false, "message"}`
 on the admin routes; never a 5xx.
+
+`GET /openapi.json` describes all of it truthfully: the hand-parsed bodies' models (`apidoc.json_body`),
+each answer's model (`schemas/engine_answers.py`), every status with its body, the event stream; the fuzz
+suite checks the running server against it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from pipeline.apidoc import errors, json_body, publish, sse_stream
 from pipeline.engine.net import PeerLog
-from pipeline.engine.server.backend import EngineBackend, Progress
-from pipeline.engine.server.requests import (
-    PromptLogprobs,
-    RequestError,
-    WorkItem,
-    expand,
-    response,
-    splice_top,
-    top_entries,
-)
-from pipeline.engine.tokens import TopEntry
+from pipeline.engine.server.backend import EngineBackend
+from pipeline.engine.server.completions import complete, events, until_disconnect
+from pipeline.engine.server.requests import RequestError, expand
+from schemas.engine_answers import AdminAnswer, EngineError, GenerateResponse, ModelInfo, ServerInfo, WeightRows
 from schemas.engine_api import (
     AbortReq,
     BeginWeightUpdateReqInput,
@@ -52,6 +47,7 @@ from schemas.engine_api import (
     GetWeightsByNameReqInput,
     InitWeightsUpdateGroupReqInput,
     PauseGenerationReqInput,
+    SamplingParams,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
 )
@@ -59,6 +55,17 @@ from schemas.engine_api import (
 log = logging.getLogger("arl.engine.app")
 M = TypeVar("M", bound=BaseModel)
 _GENERATE = "/generate"  # the one route with OpenAI-style error bodies; every other one is an admin route
+# What every route can answer: its 400 (body problems) in its own shape, and a backend failure.
+_FAILED = errors(EngineError, "5XX")
+_ADMIN: dict[int | str, dict[str, Any]] = {
+    **errors(AdminAnswer, 400),
+    **_FAILED,
+    200: {"model": AdminAnswer, "description": "Done"},
+}
+_EMPTY_OK: dict[int | str, dict[str, Any]] = {200: {"description": "Done (empty body)"}}
+_BODIES = (GenerateReqInput, SamplingParams, AbortReq, PauseGenerationReqInput, UpdateWeightFromDiskReqInput,
+           InitWeightsUpdateGroupReqInput, BeginWeightUpdateReqInput, UpdateWeightsFromDistributedReqInput,
+           EndWeightUpdateReqInput, DestroyWeightsUpdateGroupReqInput, GetWeightsByNameReqInput)  # fmt: skip
 
 
 def build_app(backend: EngineBackend, *, title: str) -> FastAPI:
@@ -70,7 +77,15 @@ def build_app(backend: EngineBackend, *, title: str) -> FastAPI:
     _info_routes(app, backend)
     _control_routes(app, backend)
     _weight_routes(app, backend)
+    publish(app, _BODIES, edit=_typed_sampling)
     return app
+
+
+def _typed_sampling(schema: dict[str, Any]) -> None:
+    """`sampling_params` is parsed per prompt (so a batch's errors name the prompt) but documented as the model."""
+    props = schema["components"]["schemas"]["GenerateReqInput"]["properties"]
+    one = {"$ref": "#/components/schemas/SamplingParams"}
+    props["sampling_params"] = {"anyOf": [one, {"type": "array", "items": one}, {"type": "null"}]}
 
 
 def _error_handlers(app: FastAPI, backend: EngineBackend) -> None:
@@ -95,17 +110,26 @@ def _generation_routes(app: FastAPI, backend: EngineBackend) -> None:
         check = await backend.health(generate=generate)
         if check.ok:
             return Response(status_code=200)
-        return error_response(check.message, 503) if check.message else Response(status_code=503)
+        return error_response(check.message or "the engine is not ready", 503)
 
-    @app.get("/health")
+    health_doc = {**_EMPTY_OK, **errors(EngineError, 503, "5XX")}
+
+    # response_class=Response: a 200 has no body, so no content type (FastAPI would document JSON).
+    @app.get("/health", response_model=None, response_class=Response, responses=health_doc)
     async def health_route() -> Response:
         return await health(False)
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", response_model=None, response_class=Response, responses=health_doc)
     async def health_generate() -> Response:
         return await health(True)
 
-    @app.post(_GENERATE)
+    events_doc = sse_stream({"$ref": "#/components/schemas/GenerateResponse"}, done_marker=True)
+    generated = {"model": GenerateResponse | list[GenerateResponse], "content": events_doc,
+                 "description": "The completion (a list for a batch or n > 1), or with stream=true its "
+                 "Server-Sent Events, then `data: [DONE]`"}  # fmt: skip
+
+    @app.post(_GENERATE, response_model=None, openapi_extra=json_body(GenerateReqInput),
+              responses={200: generated, **errors(EngineError, 400, "5XX")})  # fmt: skip
     async def generate(request: Request) -> Response:
         backend.requests_total += 1
         body = await parse_body(request, GenerateReqInput)
@@ -114,157 +138,49 @@ def _generation_routes(app: FastAPI, backend: EngineBackend) -> None:
             raise RequestError("logprob_start_len >= 0 (prompt logprobs) is not supported by this engine")
         text = body.return_text_in_logprobs
         if body.stream:
-            return StreamingResponse(_events(backend, items[0], text), media_type="text/event-stream")
-        results = await _until_disconnect(request, [_complete(backend, item, text) for item in items])
+            return StreamingResponse(events(backend, items[0], text), media_type="text/event-stream")
+        results = await until_disconnect(request, [complete(backend, item, text) for item in items])
         if results is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         return JSONResponse(results if body.is_batch() or len(results) > 1 else results[0])
 
 
-async def _complete(backend: EngineBackend, item: WorkItem, text_in_logprobs: bool) -> dict[str, Any]:
-    """SGLang's response for one completion, once it has finished."""
-    ids: list[int] = []
-    logprobs: list[float] = []
-    top: list[TopEntry] = []
-    prompt: PromptLogprobs | None = None
-    versions: list[int] = []
-    cached = 0
-    last = Progress([], [], backend.weight_version)
-    async with contextlib.aclosing(backend.generate(item, stream=False)) as progress:
-        async for last in progress:
-            ids += last.new_ids
-            logprobs += last.new_logprobs
-            top += last.new_top
-            versions += last.versions()
-            prompt = prompt or last.prompt
-            cached = max(cached, last.cached_tokens)
-    return response(
-        item,
-        ids,
-        logprobs,
-        last.finish,
-        last.weight_version,
-        backend.tokenizer,
-        top_logprobs=top,
-        text_in_logprobs=text_in_logprobs,
-        prompt_logprobs=prompt,
-        versions=versions,
-        cached_tokens=cached,
-    )
-
-
-async def _events(backend: EngineBackend, item: WorkItem, text_in_logprobs: bool) -> AsyncIterator[str]:
-    """SSE events like SGLang's: cumulative `output_ids`/`text`/logprobs (deltas with `incremental_stream`)."""
-    chunks = _Chunks(item, backend.tokenizer, text_in_logprobs, backend.incremental_stream)
-    async with contextlib.aclosing(backend.generate(item, stream=True)) as progress:
-        async for event in progress:
-            body = chunks.add(event)
-            if body is not None:
-                yield f"data: {body}\n\n"
-    yield "data: [DONE]\n\n"
-
-
-class _Chunks:
-    """The JSON text of each streamed event of one completion.
-
-    Each position's top logprobs are encoded once and spliced into every cumulative event
-    (`requests.splice_top` says why). The scored prompt (if asked) is in every event from the first on,
-    as SGLang's `meta_info.input_token_logprobs`.
-    """
-
-    def __init__(self, item: WorkItem, tokenizer: Any, text_in_logprobs: bool, incremental: bool) -> None:
-        self.item, self.tokenizer, self.text_in_logprobs, self.incremental = (
-            item,
-            tokenizer,
-            text_in_logprobs,
-            incremental,
-        )
-        self.ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.top_json: list[str] = []
-        self.prompt: PromptLogprobs | None = None
-        self.versions: list[int] = []
-        self.cached = 0
-
-    def add(self, event: Progress) -> str | None:
-        """The event's JSON text, or None when it carries neither tokens nor the finish."""
-        start = len(self.ids)
-        self.ids += event.new_ids
-        self.logprobs += event.new_logprobs
-        self.top_json += [json.dumps(e) for e in top_entries(event.new_top, self.tokenizer, self.text_in_logprobs)]
-        self.prompt = self.prompt or event.prompt
-        self.versions += event.versions()
-        self.cached = max(self.cached, event.cached_tokens)
-        if not event.new_ids and event.finish is None:
-            return None
-        chunk = response(
-            self.item,
-            self.ids,
-            self.logprobs,
-            event.finish,
-            event.weight_version,
-            self.tokenizer,
-            text_in_logprobs=self.text_in_logprobs,
-            prompt_logprobs=self.prompt,
-            versions=self.versions,
-            cached_tokens=self.cached,
-        )
-        meta = chunk["meta_info"]
-        with_top = meta.pop("output_top_logprobs", None) is not None
-        if self.incremental:
-            chunk["output_ids"] = self.ids[start:]
-            skip = self.item.params.skip_special_tokens
-            chunk["text"] = self.tokenizer.decode(self.ids[start:], skip_special_tokens=skip)
-            if "output_token_logprobs" in meta:
-                meta["output_token_logprobs"] = meta["output_token_logprobs"][start:]
-        body = json.dumps(chunk)
-        if with_top:
-            body = splice_top(body, self.top_json[start:] if self.incremental else self.top_json)
-        return body
-
-
-async def _until_disconnect(request: Request, work: list[Any]) -> list[dict[str, Any]] | None:
-    """The results of `work` (coroutines), or None if the client disconnected first (the work is cancelled)."""
-    gathered = asyncio.ensure_future(asyncio.gather(*work))
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if gathered in done:
-        return list(gathered.result())
-    gathered.cancel()  # closing the backends' iterators aborts the completions
-    return None
-
-
-async def _wait_disconnect(request: Request) -> None:
-    """Returns when the client disconnects (the body is already read, so receive() waits for that)."""
-    while True:
-        message = await request.receive()
-        if message.get("type") == "http.disconnect":
-            return
-
-
 def _info_routes(app: FastAPI, backend: EngineBackend) -> None:
     # SGLang's current names, and the deprecated ones it still serves (older clients call them).
-    @app.get("/model_info")
-    @app.get("/get_model_info")
-    async def model_info() -> dict[str, Any]:
-        return backend.model_info()
+    async def model_info() -> JSONResponse:
+        return JSONResponse(backend.model_info())
 
-    @app.get("/server_info")
-    @app.get("/get_server_info")
-    async def server_info() -> dict[str, Any]:
-        return backend.server_info()
+    async def server_info() -> JSONResponse:
+        return JSONResponse(backend.server_info())
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    for path in ("/model_info", "/get_model_info"):
+        app.get(path, response_model=None, responses={200: {"model": ModelInfo}, **_FAILED})(model_info)
+    for path in ("/server_info", "/get_server_info"):
+        app.get(path, response_model=None, responses={200: {"model": ServerInfo}, **_FAILED})(server_info)
+    # SGLang's answer is plain text (what was flushed, or why not); GET and POST are separate operations.
+    flushed = {"content": {"text/plain": {"schema": {"type": "string"}}}}
+    flush_doc: dict[int | str, Any] = {200: {**flushed, "description": "Flushed"},
+                                       400: {**flushed, "description": "Not flushed (requests run)"}}  # fmt: skip
+
     async def flush_cache() -> Response:
         check = await backend.flush_cache()
-        return Response(check.message, status_code=200 if check.ok else 400)
+        return PlainTextResponse(check.message, status_code=200 if check.ok else 400)
+
+    app.get("/flush_cache", response_model=None, responses={**flush_doc, **_FAILED},
+            operation_id="flush_cache_get")(flush_cache)  # fmt: skip
+    app.post("/flush_cache", response_model=None, responses={**flush_doc, **_FAILED},
+             operation_id="flush_cache_post")(flush_cache)  # fmt: skip
+
+
+def _admin(body: type[BaseModel] | None = None, *, optional: bool = False) -> dict[str, Any]:
+    """FastAPI route arguments of an admin route: its body (read by `parse_body`), `AdminAnswer` or an error."""
+    return {"response_model": None, "responses": _ADMIN,
+            "openapi_extra": json_body(body, required=not optional) if body else None}  # fmt: skip
 
 
 def _control_routes(app: FastAPI, backend: EngineBackend) -> None:
-    @app.post("/abort_request")
+    @app.post("/abort_request", response_model=None, response_class=Response, openapi_extra=json_body(AbortReq),
+              responses={**_EMPTY_OK, **errors(AdminAnswer, 400), **_FAILED})  # fmt: skip
     async def abort_request(request: Request) -> Response:
         body = await parse_body(request, AbortReq)
         if not body.abort_all and not body.rid:
@@ -272,12 +188,12 @@ def _control_routes(app: FastAPI, backend: EngineBackend) -> None:
         await backend.abort(None if body.abort_all else body.rid, body.abort_message or "aborted by /abort_request")
         return Response(status_code=200)
 
-    @app.post("/pause_generation")
+    @app.post("/pause_generation", **_admin(PauseGenerationReqInput, optional=True))
     async def pause_generation(request: Request) -> JSONResponse:
         body = await parse_body(request, PauseGenerationReqInput, allow_empty=True)
         return _success(await backend.pause(body.mode))
 
-    @app.post("/continue_generation")
+    @app.post("/continue_generation", **_admin())
     async def continue_generation() -> JSONResponse:
         await backend.resume()
         return _success("generation continued")
@@ -286,19 +202,19 @@ def _control_routes(app: FastAPI, backend: EngineBackend) -> None:
 def _weight_routes(app: FastAPI, backend: EngineBackend) -> None:
     session = _Session()
 
-    @app.post("/update_weights_from_disk")
+    @app.post("/update_weights_from_disk", **_admin(UpdateWeightFromDiskReqInput))
     async def update_weights_from_disk(request: Request) -> JSONResponse:
         body = await parse_body(request, UpdateWeightFromDiskReqInput)
         version = parse_version(body.weight_version)
         message = await backend.update_from_disk(body.model_path, version, body.abort_all_requests)
         return _success(message, num_paused_requests=0)
 
-    @app.post("/init_weights_update_group")
+    @app.post("/init_weights_update_group", **_admin(InitWeightsUpdateGroupReqInput))
     async def init_weights_update_group(request: Request) -> JSONResponse:
         body = await parse_body(request, InitWeightsUpdateGroupReqInput)
         return _success(await backend.join_group(body))
 
-    @app.post("/begin_weight_update")
+    @app.post("/begin_weight_update", **_admin(BeginWeightUpdateReqInput, optional=True))
     async def begin_weight_update(request: Request) -> JSONResponse:
         await parse_body(request, BeginWeightUpdateReqInput, allow_empty=True)
         session.begin()
@@ -309,30 +225,36 @@ def _weight_routes(app: FastAPI, backend: EngineBackend) -> None:
             raise
         return _success("weight-update session open")
 
-    @app.post("/update_weights_from_distributed")
+    @app.post("/update_weights_from_distributed", **_admin(UpdateWeightsFromDistributedReqInput))
     async def update_weights_from_distributed(request: Request) -> JSONResponse:
         body = await parse_body(request, UpdateWeightsFromDistributedReqInput)
         session.require("update_weights_from_distributed")
         version = parse_version(body.weight_version)
         return _success(await backend.update_from_group(body, version))
 
-    @app.post("/end_weight_update")
+    @app.post("/end_weight_update", **_admin(EndWeightUpdateReqInput, optional=True))
     async def end_weight_update(request: Request) -> JSONResponse:
         await parse_body(request, EndWeightUpdateReqInput, allow_empty=True)
         session.end()  # closed first: a failed finish must not wedge the server in a session nobody can close
         await backend.end_update()
         return _success("weight-update session closed")
 
-    @app.post("/destroy_weights_update_group")
+    @app.post("/destroy_weights_update_group", **_admin(DestroyWeightsUpdateGroupReqInput, optional=True))
     async def destroy_weights_update_group(request: Request) -> JSONResponse:
         body = await parse_body(request, DestroyWeightsUpdateGroupReqInput, allow_empty=True)
         return _success(await backend.leave_group(body.group_name))
 
-    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(request: Request) -> JSONResponse:
         # SGLang answers the bare list of rows (its 400 body is {"error": {"message"}}; ours is the admin one).
         body = await parse_body(request, GetWeightsByNameReqInput)
         return JSONResponse(await backend.weights_by_name(body.name, body.truncate_size))
+
+    rows = {"model": WeightRows, "description": "The parameter's first rows"}
+    for method in ("get", "post"):  # one operation each (a shared one would repeat its operationId)
+        route = app.get if method == "get" else app.post
+        route("/get_weights_by_name", response_model=None, openapi_extra=json_body(GetWeightsByNameReqInput),
+              operation_id=f"get_weights_by_name_{method}",
+              responses={200: rows, **errors(AdminAnswer, 400), **_FAILED})(get_weights_by_name)  # fmt: skip
 
 
 class _Session:
