@@ -13,9 +13,10 @@ test:
 test-fast: install
 	.venv/bin/python -m pytest -m "not slow and not slurm and not vllm" -x -q
 
-# The fuzz suites with ten times the cases CI runs (ARL_FUZZ_SCALE multiplies each suite's default count).
+# The fuzz suites with ten times the cases CI runs (ARL_FUZZ_SCALE multiplies each suite's default count), against
+# one proxy process and against a pool of two workers (ARL_FUZZ_POOL=1, proxy.workers).
 fuzz: install
-	ARL_FUZZ_SCALE=10 .venv/bin/python -m pytest -q tests/integration/test_fuzz_proxy.py \
+	ARL_FUZZ_SCALE=10 ARL_FUZZ_POOL=1 .venv/bin/python -m pytest -q tests/integration/test_fuzz_proxy.py \
 		tests/integration/test_proxy_fuzz.py tests/integration/test_fuzz_engine.py
 
 bench:

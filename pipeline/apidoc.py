@@ -23,6 +23,7 @@ STATUS_TEXT = {
     409: "The session still has calls in flight",
     410: "The session has ended",
     413: "The body is larger than the server accepts",
+    421: "The session key belongs to another worker of the proxy's pool (proxy.workers)",
     429: "At capacity (sessions or capacity grants)",
     500: "A bug in the server",
     502: "An inference server behind this one failed",

@@ -1,6 +1,7 @@
 """What each proxy route answers, for its OpenAPI document: success models, error statuses, event streams.
 
-Statuses, by where they come from: 401/403/410 from the key check (`auth.KeyCheck`, before the body),
+Statuses, by where they come from: 401/403/410 from the key check (`auth.KeyCheck`, before the body), and
+421 there too when a pool's worker is sent another worker's session key (`pipeline.proxy.pool`),
 413 from the body limit (`http.BodyLimit`), 400 from body validation, 404/409/429 from the session store,
 502/503 when the inference servers fail (`core`). The fuzz suites check the document against the server
 (Schemathesis' status-code, content-type and response-schema conformance), so a new status must be
@@ -32,7 +33,7 @@ from schemas.api.answers import (
 )
 from schemas.api.rl import StartSessionResponse
 
-KEYED = (401, 403, 410)
+KEYED = (401, 403, 410, 421)
 BODY = (400, 413)
 Responses = dict[int | str, dict[str, Any]]
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 import pytest
+from threaded_proxy import WORKERS, ThreadedProxy  # tests/integration is on sys.path (pytest)
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = int(os.environ.get("ARL_FUZZ_EXAMPLES", str(60 * int(os.environ.get("ARL_FUZZ_SCALE", "1")))))
@@ -45,16 +46,27 @@ class Target:
     admin: str
     client: str
     schema: Any
+    other: str | None = None
+    """Another worker of the target's pool, whose session keys the target must answer 421 (None: no pool)."""
 
 
-@pytest.fixture(scope="module")
-def target(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+@pytest.fixture(scope="module", params=WORKERS, ids=[f"workers{w}" for w in WORKERS])
+def target(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+           request: pytest.FixtureRequest) -> Iterator[Target]:  # fmt: skip
     import schemathesis
 
     harness = load_harness()
     work = tmp_path_factory.mktemp("fuzz_proxy")
     admin, client = "arl-admin-" + secrets.token_urlsafe(12), "client-" + secrets.token_urlsafe(12)
     engine_url, engine = harness.start_engine(tiny_model_dir, work / "engine.log")
+    if request.param > 1:  # a pool (`make fuzz`): fuzz worker 0, with worker 1's session keys among the keys
+        pool = ThreadedProxy(tiny_model_dir, engine_url, request.param).start()
+        raw = httpx.get(f"{pool.url}/openapi.json", timeout=30).json()
+        yield Target(pool.url, "admin", "fuzz-client", schemathesis.openapi.from_dict(raw), other=pool.urls[1])
+        pool.stop()
+        engine.terminate()
+        engine.wait(timeout=30)
+        return
     os.environ["ARL_LOAD_PROXY_CONFIG"] = json.dumps({"max_tokens_limit": 3, "max_request_bytes": 65536})
     try:
         url, proxy = harness.start_proxy(tiny_model_dir, engine_url, work / "proxy.log", admin_key=admin,
@@ -74,8 +86,9 @@ def operations(target: Target) -> list[Any]:
 
 
 def key_for(target: Target, kind: str) -> str | None:
-    if kind == "session":
-        reply = httpx.post(f"{target.url}/rl/start_session", headers={"Authorization": f"Bearer {target.admin}"},
+    if kind == "session" or kind == "foreign":
+        url = target.other if kind == "foreign" and target.other else target.url
+        reply = httpx.post(f"{url}/rl/start_session", headers={"Authorization": f"Bearer {target.admin}"},
                            timeout=TIMEOUT_S)  # fmt: skip
         assert reply.status_code == 200, reply.text
         return str(reply.json()["api_key"])
@@ -105,9 +118,11 @@ def fuzz_operation(target: Target, operation: Any, generation: Any, http: Any, s
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
+    kinds = (*KEY_KINDS, "foreign") if target.other else KEY_KINDS
+
     @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))  # fmt: skip
-    @given(case=operation.as_strategy(generation_mode=generation), kind=st.sampled_from(KEY_KINDS))
+    @given(case=operation.as_strategy(generation_mode=generation), kind=st.sampled_from(kinds))
     def fuzz(case: Any, kind: str) -> None:
         key = key_for(target, kind)
         headers = {"Authorization": f"Bearer {key}"} if key else {}

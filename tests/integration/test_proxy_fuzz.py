@@ -13,9 +13,7 @@ A hang fails the case through the request timeout.
 
 from __future__ import annotations
 
-import asyncio
 import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ from schemathesis.checks import (  # type: ignore[attr-defined]
     response_schema_conformance,
     status_code_conformance,
 )
+from threaded_proxy import WORKERS, ThreadedProxy  # tests/integration is on sys.path (pytest)
 
 EXAMPLES = int(os.environ.get("ARL_FUZZ_EXAMPLES", str(40 * int(os.environ.get("ARL_FUZZ_SCALE", "1")))))
 SUPPRESSED = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
@@ -38,66 +37,20 @@ CONFORMANCE = [not_a_server_error, status_code_conformance, content_type_conform
 ADMIN_PATHS = {"/grant_capacity", "/export_trajectories", "/rl/start_session"}
 
 
-class ThreadedProxy:
-    """A ProxyServer + EngineClient on an event loop in a daemon thread."""
-
-    def __init__(self, model_dir: Path, engine_url: str) -> None:
-        self.model_dir, self.engine_url = model_dir, engine_url
-        self.ready = threading.Event()
-        self.url = ""
-        self.app: Any = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-        self._error: BaseException | None = None
-
-    async def _main(self) -> None:
-        from pipeline.engine.client import EngineClient
-        from pipeline.proxy.server import ProxyServer
-        from schemas.config.model import ModelConfig
-        from schemas.config.proxy import ProxyConfig
-
-        try:
-            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-            engine = EngineClient([self.engine_url], health_interval_s=0)
-            config = ProxyConfig(max_tokens_limit=2, max_request_bytes=64 * 1024, max_sessions=100_000,
-                                 client_keys=["fuzz-client"])  # fmt: skip
-            proxy = ProxyServer(ModelConfig(path=str(self.model_dir), max_context=512), config, engine,
-                                admin_key="admin")  # fmt: skip
-            self.app = proxy.app
-            self.url = await proxy.start()
-        except BaseException as exc:
-            self._error = exc
-            raise
-        finally:
-            self.ready.set()
-        await self._stop.wait()
-        await proxy.stop()
-        await engine.close()
-
-    def start(self) -> ThreadedProxy:
-        self._thread.start()
-        self.ready.wait(120)
-        if self._error is not None or not self.url:
-            raise RuntimeError(f"fuzz proxy did not start: {self._error!r}")
-        return self
-
-    def stop(self) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout=30)
+# With ARL_FUZZ_POOL=1 (`make fuzz`) every case also runs against a pool of two workers (`proxy.workers`): each
+# session's calls go to its own worker, admin calls to the workers in turn.
 
 
-@pytest.fixture(scope="module")
-def fuzz_proxy(tiny_model_dir: Path, hf_engine_url: Any) -> Iterator[ThreadedProxy]:
-    proxy = ThreadedProxy(tiny_model_dir, hf_engine_url(tiny_model_dir)).start()
+@pytest.fixture(scope="module", params=WORKERS, ids=[f"workers{w}" for w in WORKERS])
+def fuzz_proxy(tiny_model_dir: Path, hf_engine_url: Any, request: pytest.FixtureRequest) -> Iterator[ThreadedProxy]:
+    proxy = ThreadedProxy(tiny_model_dir, hf_engine_url(tiny_model_dir), request.param).start()
     yield proxy
     proxy.stop()
 
 
 @pytest.fixture(scope="module")
 def fuzz_schema(fuzz_proxy: ThreadedProxy) -> Any:
-    return schemathesis.openapi.from_dict(fuzz_proxy.app.openapi())
+    return schemathesis.openapi.from_dict(httpx.get(f"{fuzz_proxy.url}/openapi.json", timeout=30).json())
 
 
 ENDPOINTS = [
@@ -108,12 +61,14 @@ ENDPOINTS = [
 ]  # fmt: skip
 
 
-def _key_for(path: str, base_url: str) -> str:
+def _key_for(path: str, proxy: ThreadedProxy) -> tuple[str, str]:
+    """The key for a case of `path` and the URL to send it to (a session's calls go to its own worker)."""
+    url = proxy.next_url()
     if path in ADMIN_PATHS:
-        return "admin"
-    r = httpx.post(base_url + "/rl/start_session", headers={"Authorization": "Bearer admin"}, timeout=30)
+        return "admin", url
+    r = httpx.post(url + "/rl/start_session", headers={"Authorization": "Bearer admin"}, timeout=30)
     r.raise_for_status()
-    return r.json()["api_key"]
+    return r.json()["api_key"], url
 
 
 def test_every_endpoint_is_fuzzed(fuzz_schema: Any) -> None:
@@ -135,8 +90,8 @@ def test_no_5xx_and_no_hang(method: str, path: str, mode: str, fuzz_proxy: Threa
     @given(case=strategy)
     @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=SUPPRESSED)
     def run(case: Any) -> None:
-        key = _key_for(path, fuzz_proxy.url)
-        response = case.call(base_url=fuzz_proxy.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        key, url = _key_for(path, fuzz_proxy)
+        response = case.call(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
         seen.append(response.status_code)
         assert response.status_code < 500, f"{method} {path} -> {response.status_code}: {response.text[:500]}"
         case.validate_response(response, checks=CONFORMANCE)  # status, content type and body as documented
