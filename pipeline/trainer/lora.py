@@ -26,7 +26,7 @@ import torch
 from pipeline.errors import ArlError, ConfigError
 from pipeline.handoff import publish_dir, staging_dir, write_text_atomic
 from pipeline.paths import COMPLETE, MERGED, RunPaths
-from pipeline.trainer.checkpoint import _copy_model_files, _drop_tied, _set_config_dtype, write_safetensors
+from pipeline.trainer.checkpoint import copy_tokenizer, write_hf_model
 from schemas.config import LoraConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -136,18 +136,13 @@ def save_checkpoint(paths: RunPaths, version: int, adapter: dict[str, torch.Tens
 
     final = paths.checkpoint_dir(version)
     with staging_dir(final) as staged:
-        _copy_model_files(tokenizer_dir or model_dir, staged, only_tokenizer=True)
+        copy_tokenizer(tokenizer_dir or model_dir, staged)
         (staged / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file({k: v.contiguous() for k, v in adapter.items()}, str(staged / ADAPTER_WEIGHTS),
                   metadata={"format": "pt"})  # fmt: skip
         if merged is not None:
-            full = staged / MERGED
-            full.mkdir()
-            _copy_model_files(model_dir, full)
-            if tokenizer_dir is not None and tokenizer_dir.resolve() != model_dir.resolve():
-                _copy_model_files(tokenizer_dir, full, only_tokenizer=True)
-            _set_config_dtype(full / "config.json", dtype)
-            write_safetensors(full, _drop_tied(merged, full / "config.json"))
+            (staged / MERGED).mkdir()
+            write_hf_model(staged / MERGED, merged, model_dir, tokenizer_dir, dtype)
         publish_dir(staged, final, COMPLETE, {"version": version, "created_at": time.time()})
     write_text_atomic(paths.latest, f"{max(paths.complete_checkpoints())}\n")
     return final
