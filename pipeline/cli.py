@@ -161,6 +161,20 @@ def eval_cmd(
     return eval_command(run_dir, step=step, checkpoint=checkpoint, set_name=set_name, fmt=fmt.value)
 
 
+@app.command("export-merged")
+@_friendly
+def export_merged_cmd(
+    run_dir: Path = typer.Argument(..., help="The run directory (a run with trainer.lora)."),
+    out: Path = typer.Argument(..., help="Where the merged Hugging Face model goes (must not exist)."),
+    step: int = typer.Option(..., "--step", help="The checkpoint's weight version K."),
+) -> int:
+    """Merge the LoRA adapter of checkpoint K into its base and write a plain Hugging Face model."""
+    from pipeline.trainer.lora import export_run_checkpoint
+
+    print(export_run_checkpoint(run_dir, step, out))
+    return 0
+
+
 @app.command()
 @_friendly
 def demo(

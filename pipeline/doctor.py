@@ -189,7 +189,7 @@ def live_checks(config: ArlConfig, paths: RunPaths, initial: Path, *, gpu: bool)
         return [Check("served version", False, f"no server registered under {paths.inference_registry}")]
     url, steps = urls[0], config.num_steps
     checks = [check_served_version(url, paths, steps)]
-    checks += check_served_weights(url, paths.checkpoint_dir(steps), initial, temperature=config.rollout.temperature,
+    checks += check_served_weights(url, paths.weights_dir(steps), initial, temperature=config.rollout.temperature,
                                    dtype=config.model.dtype, device="cuda" if gpu else "cpu")  # fmt: skip
     return checks
 

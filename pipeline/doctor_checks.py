@@ -85,7 +85,7 @@ def check_checkpoints(paths: RunPaths, steps: int) -> Check:
         missing = [v for v in range(1, steps + 1) if v not in complete]
         if missing:
             return False, f"versions {missing} have no complete checkpoint under {paths.checkpoints}"
-        last = paths.checkpoint_dir(steps)
+        last = paths.weights_dir(steps)
         files = sorted(p.name for p in last.glob("*.safetensors"))
         return bool(files), f"versions 1..{steps} complete; last: {last.name} ({', '.join(files) or 'no weights'})"
 

@@ -114,7 +114,7 @@ def publish_dir(staged: Path, final: str | Path, marker: str, marker_content: An
     """
     final = Path(final)
     with naming_write_errors(final):
-        for child in staged.iterdir():
+        for child in staged.rglob("*"):  # a subdirectory (a LoRA checkpoint's merged/) is published with it
             if child.is_file():
                 _fsync_file(child)
         write_json_atomic(staged / marker, marker_content)

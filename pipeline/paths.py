@@ -15,6 +15,8 @@ from pathlib import Path
 
 MANIFEST = "_MANIFEST.json"
 COMPLETE = "_COMPLETE"
+MERGED = "merged"
+"""The full-weight model inside a LoRA run's checkpoint (whose top level is the adapter)."""
 TMP_SUFFIX = ".tmp"
 STAGES = ("inference", "rollout", "proxy", "train")
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -107,6 +109,12 @@ class RunPaths:
 
     def checkpoint_dir(self, version: int) -> Path:
         return self.checkpoints / step_name(version)
+
+    def weights_dir(self, version: int) -> Path:
+        """The full Hugging Face model of checkpoint `version` (what engines load and `arl eval` scores): the
+        checkpoint itself, or in a LoRA run, whose checkpoint is the adapter, its `merged/` subdirectory."""
+        merged = self.checkpoint_dir(version) / MERGED
+        return merged if merged.is_dir() else self.checkpoint_dir(version)
 
     def checkpoint_marker(self, version: int) -> Path:
         return self.checkpoint_dir(version) / COMPLETE

@@ -78,14 +78,14 @@ def pick_weights(paths: RunPaths, config: ArlConfig, step: int | None, checkpoin
                            "(e.g. step_000040), so the results can name the version")  # fmt: skip
         return str(checkpoint.resolve()), version
     if step is None:
-        return (str(paths.checkpoint_dir(complete[-1])), complete[-1]) if complete else (config.model.path, 0)
+        return (str(paths.weights_dir(complete[-1])), complete[-1]) if complete else (config.model.path, 0)
     if step == 0:
         return config.model.path, 0
     if step not in complete:
         kept = ", ".join(map(str, complete)) or "none"
         raise ArlError(f"no complete checkpoint of version {step} in {paths.checkpoints} (complete: {kept}; "
                        "trainer.keep_checkpoints decides how many are kept)")  # fmt: skip
-    return str(paths.checkpoint_dir(step)), step
+    return str(paths.weights_dir(step)), step
 
 
 async def evaluate_checkpoint(paths: RunPaths, config: ArlConfig, sets: list[EvalSetConfig], model_path: str,

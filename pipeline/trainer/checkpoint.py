@@ -51,15 +51,27 @@ def save_checkpoint(paths: RunPaths, version: int, state_dict: dict[str, torch.T
     """Publish weight `version` atomically in HF layout and point `LATEST` at the newest complete one."""
     final = paths.checkpoint_dir(version)
     with staging_dir(final) as staged:
-        _copy_model_files(model_dir, staged)
-        if tokenizer_dir is not None and tokenizer_dir.resolve() != model_dir.resolve():
-            _copy_model_files(tokenizer_dir, staged, only_tokenizer=True)
-        if dtype is not None:
-            _set_config_dtype(staged / "config.json", dtype)
-        write_safetensors(staged, _drop_tied(state_dict, staged / "config.json"))
+        write_hf_model(staged, state_dict, model_dir, tokenizer_dir, dtype)
         publish_dir(staged, final, COMPLETE, {"version": version, "created_at": time.time()})
     write_text_atomic(paths.latest, f"{max(paths.complete_checkpoints())}\n")
     return final
+
+
+def write_hf_model(out_dir: Path, state_dict: dict[str, torch.Tensor], model_dir: Path,
+                   tokenizer_dir: Path | None = None, dtype: str | None = None) -> None:  # fmt: skip
+    """A Hugging Face model directory in `out_dir` (existing, empty): the initial model's config files with
+    `state_dict`'s weights (a tied output layer stored once) and the tokenizer of `tokenizer_dir` or the model."""
+    _copy_model_files(model_dir, out_dir)
+    if tokenizer_dir is not None and tokenizer_dir.resolve() != model_dir.resolve():
+        copy_tokenizer(tokenizer_dir, out_dir)
+    if dtype is not None:
+        _set_config_dtype(out_dir / "config.json", dtype)
+    write_safetensors(out_dir, _drop_tied(state_dict, out_dir / "config.json"))
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """The tokenizer files and chat template of `src` into `dst`."""
+    _copy_model_files(src, dst, only_tokenizer=True)
 
 
 def buckets(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:

@@ -180,16 +180,27 @@ class Trainer:
         self._state_dict = self.backend.hf_state_dict()
         staged = ckpt.stage_trainer_state(self.paths, version) if self.rank0 else Path(os.devnull)
         self.backend.save_state(staged)
-        path = None
+        adapter = self.backend.adapter_state_dict() if self.cfg.lora is not None else None  # type: ignore[attr-defined]
         if self.rank0:
             data = {"next_step": version, "seed": self.cfg.seed, "world_size": self.backend.world_size}
             ckpt.publish_state(self.paths, version, staged, data)
-            path = ckpt.save_checkpoint(self.paths, version, self._state_dict, Path(self.config.model.path),
-                                        _tokenizer_dir(self.config), self.config.model.dtype)  # fmt: skip
+            self.save_weights(version, adapter)
             ckpt.prune(self.paths, self.cfg.keep_checkpoints, newest=version)
         fsdp.barrier()
         timings.checkpoint_s = time.perf_counter() - t0
-        return path if self.rank0 else self.paths.checkpoint_dir(version)
+        return self.paths.weights_dir(version)
+
+    def save_weights(self, version: int, adapter: dict[str, torch.Tensor] | None) -> None:
+        """Rank 0: the HF checkpoint, or with LoRA the adapter and the merged model beside it (`trainer.lora`)."""
+        assert self._state_dict is not None
+        model, tokenizer, dtype = Path(self.config.model.path), _tokenizer_dir(self.config), self.config.model.dtype
+        if adapter is None:
+            ckpt.save_checkpoint(self.paths, version, self._state_dict, model, tokenizer, dtype)
+            return
+        from pipeline.trainer import lora
+
+        config = self.backend.adapter_config()  # type: ignore[attr-defined]
+        lora.save_checkpoint(self.paths, version, adapter, config, self._state_dict, model, tokenizer, dtype)
 
     def publish(self, version: int, checkpoint: Path | None, timings: Timings) -> None:
         t0 = time.perf_counter()
@@ -210,7 +221,7 @@ class Trainer:
         mid-publication left them paused, maybe half-updated, which only a verified publication ends."""
         if self.cfg.weight_sync == "nccl":
             self._state_dict = self.backend.hf_state_dict()  # collective: every rank takes part
-        weights = self.paths.checkpoint_dir(version) if version > 0 else Path(self.config.model.path)
+        weights = self.paths.weights_dir(version) if version > 0 else Path(self.config.model.path)
         timings = Timings()
         self.publish(version, weights, timings)  # rank 0 publishes (disk: the verifier reads `weights`)
         return timings

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-from pipeline.trainer import fsdp
+from pipeline.trainer import fsdp, lora
 from pipeline.trainer.backend import LossFn, MinibatchStats
 from pipeline.trainer.checkpoint import save_torch
 from pipeline.trainer.losses import entropy_from_logits, gather_logprobs, logit_scale
@@ -73,29 +73,36 @@ class TorchBackend:
         self.num_params = sum(p.numel() for p in self.model.parameters())
         opt = self.config.trainer.optimizer
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
+            lora.trainable(self.model), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
             fused=self.device.type == "cuda", foreach=self.device.type != "cuda",  # CPU: batched, not per tensor
         )  # fmt: skip
         self.scheduler = make_scheduler(self.optimizer, opt, self.total_updates)
         if state is not None:
             self._load_state(state)
-        if self.config.trainer.algorithm.kl_coef > 0:
-            # The frozen reference is the run's initial model (version 0), whatever version we resume from.
+        if self.config.trainer.algorithm.kl_coef > 0 and self.config.trainer.lora is None:
+            # The frozen reference is the run's initial model (version 0), whatever version we resume from
+            # (with LoRA: the policy itself with its adapters disabled, see `_lora_logprobs`).
             self.reference = self._load_model(Path(self.config.model.path), trainable=False)
 
     def _load_model(self, path: Path, trainable: bool) -> Any:
+        """The HF model at `path`; with `trainer.lora` the base wrapped with the adapter `path` holds (fresh
+        adapters for version 0, whose `path` is the base itself)."""
         from transformers import AutoModelForCausalLM
 
         dtype = torch.float32 if self.device.type == "cuda" else self.save_dtype
+        adapter = path if self.config.trainer.lora is not None and lora.is_adapter_dir(path) else None
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=dtype, attn_implementation=attn_implementation(self.device)
-        )
+            self.config.model.path if adapter else str(path), dtype=dtype,
+            attn_implementation=attn_implementation(self.device),
+        )  # fmt: skip
         model.to(self.device)  # type: ignore[arg-type]
         model.config.use_cache = False
         if trainable:
             model.train()
             if self.config.trainer.gradient_checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if self.config.trainer.lora is not None:  # adapters before sharding: FSDP2 shards them with their layer
+                model = lora.wrap(model, self.config.trainer.lora, adapter)
         else:
             model.eval()
             model.requires_grad_(False)
@@ -120,11 +127,22 @@ class TorchBackend:
 
     @torch.no_grad()
     def logprobs(self, micro: MicroBatch, *, reference: bool = False) -> torch.Tensor:
+        micro = micro.to(self.device)
+        if self.config.trainer.lora is not None:
+            return self._lora_logprobs(micro, reference)
         model = self.reference if reference else self.model
         if model is None:
             raise RuntimeError("reference log-probs requested but no reference model is loaded (kl_coef == 0)")
-        micro = micro.to(self.device)
         return gather_logprobs(self._logits(model, micro), micro.targets).float().cpu()
+
+    def _lora_logprobs(self, micro: MicroBatch, reference: bool) -> torch.Tensor:
+        """The policy without adapter dropout; the reference is the base: the same model, adapters disabled."""
+        self.model.eval()
+        try:
+            with self.model.disable_adapter() if reference else contextlib.nullcontext():
+                return gather_logprobs(self._logits(self.model, micro), micro.targets).float().cpu()
+        finally:
+            self.model.train()
 
     def train_minibatch(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> MinibatchStats:
         algo = self.config.trainer.algorithm
@@ -150,7 +168,7 @@ class TorchBackend:
                 sums[k] += float(v)
             for k, v in out.maxima.items():
                 maxima[k] = max(maxima[k], float(v))
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.trainer.optimizer.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(lora.trainable(self.model), self.config.trainer.optimizer.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -161,7 +179,19 @@ class TorchBackend:
     # -- export ---------------------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         state = fsdp.full_state_dict(self.model, self.world_size)
+        if self.config.trainer.lora is not None and state:  # rank 0 merges the gathered adapter into the base
+            state = lora.merged_weights(state, lora.scaling(self.model))
         return {k: v.to(self.save_dtype) for k, v in state.items()}
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """With `trainer.lora`: the adapter under PEFT's saved names, in the training dtype (exact resume), on
+        rank 0 (empty dict on other ranks). Collective."""
+        adapter = lora.adapter_weights(self.model)
+        return adapter if self.rank == 0 else {}
+
+    def adapter_config(self) -> dict[str, Any]:
+        """With `trainer.lora`: PEFT's `adapter_config.json` of this model, pointing at the base."""
+        return lora.adapter_config(self.model, Path(self.config.model.path))
 
     def save_state(self, out_dir: Path) -> None:
         optim_state = fsdp.optimizer_state(self.model, self.optimizer, self.world_size)

@@ -18,7 +18,7 @@ from schemas.config.metrics import MetricsConfig, WandbConfig
 from schemas.config.model import ModelConfig
 from schemas.config.proxy import ProxyConfig
 from schemas.config.rollout import DatasetConfig, RolloutConfig, TaskConfig
-from schemas.config.trainer import AlgorithmConfig, MegatronConfig, OptimizerConfig, TrainerConfig
+from schemas.config.trainer import AlgorithmConfig, LoraConfig, MegatronConfig, OptimizerConfig, TrainerConfig
 
 __all__ = [
     "AlgorithmConfig",
@@ -28,6 +28,7 @@ __all__ = [
     "EvalConfig",
     "EvalSetConfig",
     "InferenceConfig",
+    "LoraConfig",
     "MegatronConfig",
     "MetricsConfig",
     "ModelConfig",

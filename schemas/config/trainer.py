@@ -63,6 +63,32 @@ class MegatronConfig(Block):
     """Sequence parallelism (GPU, needs tp > 1)."""
 
 
+class LoraConfig(Block):
+    """Train low-rank adapters (PEFT's LoRA) on a frozen base instead of every weight (torch backend)."""
+
+    rank: int = Field(16, ge=1)
+    """LoRA rank r of each adapted projection."""
+    alpha: float = Field(32.0, gt=0)
+    """LoRA alpha: the adapter's update is scaled by alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input in training forwards (log-prob passes run without it)."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Module names to adapt (PEFT's `target_modules`, e.g. [q_proj, v_proj]); `all-linear` = every linear layer
+    of the decoder (not the output layer). Only linear layers can be adapted (merging is plain W + s * B @ A)."""
+    publish: Literal["merged", "adapter"] = "merged"
+    """How servers get a new version: `merged` = the trainer merges the adapter into the base and publishes full
+    weights by `trainer.weight_sync` (any engine); `adapter` = servers load the adapter by their own LoRA routes
+    (not built yet: refused)."""
+
+    @model_validator(mode="after")
+    def _adapter_publication_not_built(self) -> LoraConfig:
+        if self.publish == "adapter":
+            raise PydanticCustomError(
+                UNSUPPORTED, "trainer.lora.publish=adapter is not built yet: use trainer.lora.publish=merged", {}
+            )
+        return self
+
+
 class TrainerConfig(Block):
     backend: Literal["torch", "megatron"] = "torch"
     """`torch` = Hugging Face model (FSDP2 across GPUs); `megatron` = megatron-core GPTModel."""
@@ -72,6 +98,9 @@ class TrainerConfig(Block):
     """Optimizer and schedule."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     """Parallelism of the `megatron` backend."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters on a frozen base (torch backend; needs `arl[lora]`); `None` = train every weight.
+    See docs/trainer.md, "LoRA"."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Training device; `auto` = CUDA when available."""
     bf16: bool = True
@@ -122,4 +151,13 @@ class TrainerConfig(Block):
                 "attention reads the per-sample boundaries); use packing=auto or packed",
                 {},
             )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_needs_torch(self) -> TrainerConfig:
+        if self.lora is not None and self.backend == "megatron":
+            raise PydanticCustomError(
+                UNSUPPORTED, "trainer.lora needs trainer.backend=torch (the megatron backend trains full weights only)",
+                {},
+            )  # fmt: skip
         return self

@@ -230,3 +230,13 @@ def test_several_proxy_workers_need_agents_over_http() -> None:
     load_config(None, ["proxy.workers=2", "rollout.source=external", "proxy.client_keys=[k]"])
     with pytest.raises(ConfigError, match=r"proxy\.workers"):
         load_config(None, ["proxy.workers=0"])
+
+
+def test_lora_block_and_its_refusals() -> None:
+    config = load_config(None, ["trainer.lora.rank=8", "trainer.lora.target_modules=[q_proj, v_proj]"])
+    assert config.trainer.lora is not None and config.trainer.lora.target_modules == ["q_proj", "v_proj"]
+    assert config.trainer.lora.publish == "merged" and load_config(None, []).trainer.lora is None
+    with pytest.raises(ConfigError, match=r"trainer\.lora needs trainer\.backend=torch"):
+        load_config(None, ["trainer.lora.rank=8", "trainer.backend=megatron"])
+    with pytest.raises(ConfigError, match=r"trainer\.lora\.publish=adapter is not built yet"):
+        load_config(None, ["trainer.lora.publish=adapter"])

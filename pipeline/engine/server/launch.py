@@ -57,7 +57,7 @@ def initial_weights(paths: RunPaths, config: ArlConfig) -> tuple[str, int]:
     """(model dir, version) to serve first: the newest complete checkpoint, else the initial model."""
     versions = paths.complete_checkpoints()
     if versions:
-        return str(paths.checkpoint_dir(versions[-1])), versions[-1]
+        return str(paths.weights_dir(versions[-1])), versions[-1]
     return config.model.path, 0
 
 

@@ -1,0 +1,186 @@
+"""LoRA for the torch backend (`trainer.lora`): PEFT adapters on a frozen base, their checkpoints, merging.
+
+The policy is a `peft.PeftModel` around the Hugging Face base; only the adapter's parameters require grad, so
+the optimizer (and its saved state) covers them alone. The KL reference is the same model with its adapters
+disabled (`reference_logits`): no second copy of the base.
+
+A LoRA checkpoint (`checkpoints/step_k/`) is PEFT's own format at the top level (`adapter_config.json`, whose
+`base_model_name_or_path` points at the base, and `adapter_model.safetensors`), loadable by
+`peft.PeftModel.from_pretrained(base, path)` without arl, plus the tokenizer; with `publish: merged` it also
+holds `merged/`, the full model the engines load (`RunPaths.weights_dir`).
+
+Merging is plain arithmetic on the gathered state dict, `W + (alpha / r) * B @ A` per adapted linear layer
+(no module is modified, so it works the same on one process and under FSDP2, where rank 0 holds the gathered
+state). `wrap` refuses adapters on anything but linear layers, which is what keeps that formula exact.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.errors import ArlError, ConfigError
+from pipeline.handoff import publish_dir, staging_dir, write_text_atomic
+from pipeline.paths import COMPLETE, MERGED, RunPaths
+from pipeline.trainer.checkpoint import copy_tokenizer, write_hf_model
+from schemas.config import LoraConfig
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_NAME = "default"
+"""PEFT's name for the one adapter; its state-dict keys carry it, its saved files do not."""
+_PREFIX = "base_model.model."
+"""What `PeftModel` puts in front of the base model's own parameter names."""
+
+
+def _peft() -> Any:
+    try:
+        import peft
+    except ImportError as exc:
+        raise ConfigError(f"trainer.lora needs the peft package ({exc}): pip install 'arl[lora]'") from exc
+    return peft
+
+
+def is_adapter_dir(path: Path) -> bool:
+    return (path / ADAPTER_CONFIG).is_file()
+
+
+def wrap(model: Any, cfg: LoraConfig, adapter_dir: Path | None) -> Any:
+    """`model` with fresh adapters (`adapter_dir` None: version 0) or the saved ones, trainable either way."""
+    peft = _peft()
+    if adapter_dir is None:
+        targets: Any = cfg.target_modules if isinstance(cfg.target_modules, str) else list(cfg.target_modules)
+        config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                                 bias="none", task_type="CAUSAL_LM")  # fmt: skip
+        wrapped = peft.get_peft_model(model, config)
+    else:
+        wrapped = peft.PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+    _check_linear_only(wrapped, peft)
+    return wrapped
+
+
+def _check_linear_only(model: Any, peft: Any) -> None:
+    """Merging is exact only for plain linear adapters (no embeddings, convs, DoRA, rsLoRA, transposed weights)."""
+    lora_layer, lora_linear = peft.tuners.lora.LoraLayer, peft.tuners.lora.Linear
+    config = model.peft_config[ADAPTER_NAME]
+    for name, module in model.named_modules():
+        if not isinstance(module, lora_layer):
+            continue
+        if type(module) is not lora_linear or module.fan_in_fan_out or name.endswith("lm_head"):
+            raise ConfigError(
+                f"trainer.lora.target_modules adapts {name} ({type(module).__name__}): only the decoder's linear "
+                "layers can be adapted; name them (e.g. [q_proj, v_proj]) or use all-linear"
+            )
+    if config.use_dora or config.use_rslora:
+        raise ConfigError("a LoRA adapter with DoRA or rsLoRA cannot be merged by trainer.lora; train a plain one")
+
+
+def scaling(model: Any) -> float:
+    config = model.peft_config[ADAPTER_NAME]
+    return float(config.lora_alpha) / float(config.r)
+
+
+def trainable(model: Any) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def merged_weights(full: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """The base's own parameter names and merged weights, from a `PeftModel`'s full state dict."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in full.items():
+        name = key.removeprefix(_PREFIX)
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
+        if ".base_layer." not in name:
+            out[name] = value
+            continue
+        module, leaf = name.split(".base_layer.")
+        if leaf == "weight":
+            a = full[f"{_PREFIX}{module}.lora_A.{ADAPTER_NAME}.weight"].float()
+            b = full[f"{_PREFIX}{module}.lora_B.{ADAPTER_NAME}.weight"].float()
+            value = (value.float() + scale * (b @ a)).to(value.dtype)
+        out[f"{module}.{leaf}"] = value
+    return out
+
+
+def adapter_weights(model: Any) -> dict[str, torch.Tensor]:
+    """The adapter under the names PEFT saves (`...q_proj.lora_A.weight`), on CPU. Collective under FSDP2
+    (each sharded parameter is gathered in the same order on every rank)."""
+    out = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+        out[name.replace(f".{ADAPTER_NAME}.", ".")] = tensor.detach().to("cpu", copy=True)
+    return out
+
+
+def adapter_config(model: Any, base: Path) -> dict[str, Any]:
+    """PEFT's `adapter_config.json`, pointing at the base by its absolute path."""
+    config = model.peft_config[ADAPTER_NAME].to_dict()
+    config["base_model_name_or_path"] = str(base.resolve())
+    config["inference_mode"] = True
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+
+
+def save_checkpoint(paths: RunPaths, version: int, adapter: dict[str, torch.Tensor], config: dict[str, Any],
+                    merged: dict[str, torch.Tensor] | None, model_dir: Path, tokenizer_dir: Path | None,
+                    dtype: str) -> Path:  # fmt: skip
+    """Publish LoRA version `version` atomically: the adapter in PEFT's format, the tokenizer, and (when given)
+    the merged full model under `merged/`; then point `LATEST` at it (as `checkpoint.save_checkpoint`)."""
+    from safetensors.torch import save_file
+
+    final = paths.checkpoint_dir(version)
+    with staging_dir(final) as staged:
+        copy_tokenizer(tokenizer_dir or model_dir, staged)
+        (staged / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        save_file({k: v.contiguous() for k, v in adapter.items()}, str(staged / ADAPTER_WEIGHTS),
+                  metadata={"format": "pt"})  # fmt: skip
+        if merged is not None:
+            (staged / MERGED).mkdir()
+            write_hf_model(staged / MERGED, merged, model_dir, tokenizer_dir, dtype)
+        publish_dir(staged, final, COMPLETE, {"version": version, "created_at": time.time()})
+    write_text_atomic(paths.latest, f"{max(paths.complete_checkpoints())}\n")
+    return final
+
+
+def base_of(adapter_dir: Path) -> Path:
+    """The base model an adapter checkpoint points at (`base_model_name_or_path`)."""
+    return Path(json.loads((adapter_dir / ADAPTER_CONFIG).read_text())["base_model_name_or_path"])
+
+
+def export_merged(adapter_dir: Path, out: Path, base: Path | None = None) -> Path:
+    """Write `base + adapter` merged by PEFT itself (`merge_and_unload`) as a Hugging Face model in `out`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    peft = _peft()
+    base = base or base_of(adapter_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype="auto")
+    merged = peft.PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    with staging_dir(out) as staged:
+        merged.save_pretrained(str(staged))
+        AutoTokenizer.from_pretrained(str(adapter_dir if (adapter_dir / "tokenizer_config.json").is_file()
+                                          else base)).save_pretrained(str(staged))  # fmt: skip
+        publish_dir(staged, out, COMPLETE, {"adapter": str(adapter_dir.resolve()), "base": str(base.resolve())})
+    return out
+
+
+def export_run_checkpoint(run_dir: Path, version: int, out: Path) -> Path:
+    """`arl export-merged`: checkpoint `version` of a LoRA run, merged, into `out`; one-line errors for the rest."""
+    paths = RunPaths(run_dir)
+    if not paths.config.is_file():
+        raise ArlError(f"{run_dir} is not a run directory (no {paths.config.name})")
+    adapter = paths.checkpoint_dir(version)
+    complete = paths.complete_checkpoints()
+    if version not in complete:
+        raise ArlError(f"no complete checkpoint of version {version} in {paths.checkpoints} "
+                       f"(complete: {', '.join(map(str, complete)) or 'none'})")  # fmt: skip
+    if not is_adapter_dir(adapter):
+        raise ArlError(f"{adapter} holds full weights (a run without trainer.lora): it is already a Hugging Face model")
+    if out.exists():
+        raise FileExistsError(f"{out} exists: choose a new directory")
+    return export_merged(adapter, out)

@@ -1,0 +1,182 @@
+"""LoRA training (`trainer.lora`) with real PEFT on the tiny model: only the adapter trains, the KL reference is
+the base, checkpoints are PEFT's own format (plain `PeftModel.from_pretrained` loads them), `arl export-merged`
+and merged publication to a real `hf` engine serve exactly base + adapter, resume is bitwise, and FSDP2 across
+two gloo processes trains the same adapter as one process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_publish import PROMPT, engine_logprobs, register  # tests/integration is on sys.path (pytest)
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.engine.server.hf import start_hf_server
+from pipeline.handoff import read_json
+from pipeline.paths import RunPaths
+from pipeline.stage import StageContext
+from pipeline.trainer.advantages import compute_advantages
+from pipeline.trainer.loop import Trainer, run_trainer
+from pipeline.trainer.losses import gather_logprobs
+from pipeline.trainer.metrics import Timings
+
+LORA = ["trainer.lora.rank=4", "trainer.lora.alpha=8", "trainer.optimizer.lr=0.01", "rollout.max_staleness=10",
+        "trainer.wait_timeout_s=30", "trainer.publish_timeout_s=120"]  # fmt: skip
+REPO = Path(__file__).resolve().parents[2]
+
+
+def peft_model(base: Path, adapter: Path) -> torch.nn.Module:
+    """Base + adapter the way a user without arl loads them."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    return PeftModel.from_pretrained(model, str(adapter)).eval()
+
+
+def hf_model(path: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def probe_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """Log-probabilities of each next token of `ids` (teacher forced)."""
+    logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+def test_a_step_trains_only_the_adapter_and_the_reference_is_the_base(make_train_run, tiny_model_dir: Path) -> None:
+    paths = make_train_run(steps=[0], overrides=[*LORA, "num_steps=1", "trainer.algorithm.kl_coef=0.1"])
+    trainer = Trainer(StageContext.from_run_dir("train", paths.root).config, paths)
+    try:
+        trainer.start_from(0)
+        data = trainer.wait_and_load(0, Timings())
+        advantages = compute_advantages([s.reward for s in data.samples], [s.group_id for s in data.samples], "grpo")
+        plan = trainer.plan(data, advantages, 0)
+        model = trainer.backend.model  # type: ignore[attr-defined]
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert adapters and all(".lora_" in n for n in adapters)
+        trainer.update(plan, Timings())
+        changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+        assert changed == {n for n in adapters if ".lora_B." in n}  # B starts at 0, so A's first gradient is 0
+        trainer.update(plan, Timings())
+        assert {n for n, p in model.named_parameters() if not torch.equal(p, before[n])} == adapters
+        optimized = {id(p) for group in trainer.backend.optimizer.param_groups for p in group["params"]}  # type: ignore[attr-defined]
+        assert optimized == {id(p) for p in model.parameters() if p.requires_grad}
+
+        micro = plan[0][0]
+        base = hf_model(tiny_model_dir)
+        with torch.no_grad():
+            out = base(input_ids=micro.input_ids, position_ids=micro.position_ids).logits
+        expected = gather_logprobs(out.reshape(-1, out.shape[-1]), micro.targets)
+        reference = trainer.backend.logprobs(micro, reference=True)
+        assert max_diff(reference, expected) < 1e-6  # adapters disabled = the base, no second copy
+        assert max_diff(trainer.backend.logprobs(micro), expected) > 1e-4  # while the policy has moved
+        assert getattr(trainer.backend, "reference", None) is None
+    finally:
+        trainer.close()
+
+
+def test_checkpoint_is_peft_format_and_merged_publication_serves_base_plus_adapter(
+    make_train_run, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    paths = make_train_run(steps=[0], overrides=[*LORA, "num_steps=1", "trainer.weight_sync=disk"])
+    with start_hf_server(tiny_model_dir, seed=0) as server:
+        register(paths, "s0", server.url, tiny_model_dir)
+        run_trainer(StageContext.from_run_dir("train", paths.root))  # publishes with verification on
+        ids, _, version = engine_logprobs(server.url)
+        served = torch.tensor(served_prompt_logprobs(server.url, PROMPT + ids))
+    assert version == 1 and read_json(paths.weight_version)["checkpoint"] == "checkpoints/step_000001/merged"
+
+    ckpt = paths.checkpoint_dir(1)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in ckpt.iterdir()}
+    assert Path(read_json(ckpt / "adapter_config.json")["base_model_name_or_path"]) == tiny_model_dir.resolve()
+    assert not (ckpt / "model.safetensors").exists()
+    probe = PROMPT + ids
+    expected = probe_logprobs(peft_model(tiny_model_dir, ckpt), probe)  # plain PEFT, no arl code
+    assert max_diff(served, expected) < 1e-5
+    assert max_diff(probe_logprobs(hf_model(ckpt / "merged"), probe), expected) < 1e-5
+    assert max_diff(probe_logprobs(hf_model(tiny_model_dir), probe), expected) > 1e-3  # the adapter did something
+
+    # merged/ keeps every weight the adapters do not touch bit for bit
+    initial = load_file(str(tiny_model_dir / "model.safetensors"))
+    merged = load_file(str(ckpt / "merged" / "model.safetensors"))
+    untouched = [k for k in initial if not k.endswith("proj.weight")]
+    assert untouched and all(torch.equal(initial[k], merged[k]) for k in untouched)
+
+    out = tmp_path / "exported"
+    result = CliRunner().invoke(app, ["export-merged", str(paths.root), str(out), "--step", "1"])
+    assert result.exit_code == 0, result.output
+    assert max_diff(probe_logprobs(hf_model(out), probe), expected) < 1e-5
+    again = CliRunner().invoke(app, ["export-merged", str(paths.root), str(out), "--step", "1"])
+    assert again.exit_code == 2 and "exists" in again.output
+    missing = CliRunner().invoke(app, ["export-merged", str(paths.root), str(tmp_path / "x"), "--step", "7"])
+    assert missing.exit_code == 2 and "no complete checkpoint of version 7" in missing.output
+
+
+def served_prompt_logprobs(url: str, ids: list[int]) -> list[float]:
+    """The engine's own log-probabilities of `ids` (its prompt log-probs, as the publication's probe reads them)."""
+    import asyncio
+
+    from pipeline.engine.client import EngineClient
+
+    async def go() -> list[float]:
+        async with EngineClient([url], health_interval_s=0) as client:
+            scored = await client.score_prompt(url, ids)
+        return [float(entry[0]) for entry in scored[1:]]  # the first token has no log-probability
+
+    return asyncio.run(go())
+
+
+def test_step_rerun_from_a_lora_checkpoint_is_bitwise(make_train_run) -> None:
+    """`--step 1` loads version 1's adapter, optimizer (adapter parameters only) and RNG state: exact resume."""
+    paths = make_train_run(steps=[0, 1], overrides=[*LORA, "num_steps=2", "trainer.deterministic=true",
+                                                    "trainer.lora.dropout=0.1", "trainer.minibatches=2"])  # fmt: skip
+    run_trainer(StageContext.from_run_dir("train", paths.root))
+    adapter = load_file(str(paths.checkpoint_dir(2) / "adapter_model.safetensors"))
+    optimizer = torch.load(paths.trainer_state_dir(2) / "optimizer.pt", weights_only=False)
+    assert all(".lora_" in name for name in optimizer["state"])
+    run_trainer(StageContext.from_run_dir("train", paths.root, only_step=1))
+    again = load_file(str(paths.checkpoint_dir(2) / "adapter_model.safetensors"))
+    assert adapter.keys() == again.keys()
+    assert all(torch.equal(adapter[k], again[k]) for k in adapter)
+
+
+@pytest.mark.slow
+def test_two_process_fsdp_lora_equals_single_process(make_train_run) -> None:
+    overrides = [*LORA, "num_steps=2", "trainer.minibatches=2", "trainer.micro_batch_tokens=64"]
+    rows = {"num_groups": 3, "group_size": 4, "completion_lens": [5, 12, 8, 20]}
+    single = make_train_run(steps=[0, 1], overrides=overrides, name="single", **rows)
+    sharded = make_train_run(steps=[0, 1], overrides=overrides, name="fsdp", **rows)
+    run_trainer(StageContext.from_run_dir("train", single.root))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "pipeline.cli", "stage", "train", "--run-dir", str(sharded.root)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for name in ("adapter_model.safetensors", "merged/model.safetensors"):
+        a, b = (load_file(str(p.checkpoint_dir(2) / name)) for p in (single, sharded))
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], atol=2e-5, rtol=1e-4, msg=f"{name}: {key}")
+
+
+def test_run_paths_serve_the_merged_model_of_a_lora_checkpoint(tmp_path: Path) -> None:
+    paths = RunPaths(tmp_path)
+    (paths.checkpoint_dir(3) / "merged").mkdir(parents=True)
+    (paths.checkpoint_dir(4)).mkdir()
+    assert paths.weights_dir(3) == paths.checkpoint_dir(3) / "merged"
+    assert paths.weights_dir(4) == paths.checkpoint_dir(4)
