@@ -6,12 +6,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from pipeline.metrics import read_jsonl
+from pipeline.paths import RunPaths
 from pipeline.stage import StageContext
 from pipeline.trainer.loop import run_trainer
 
@@ -20,18 +22,23 @@ OVERRIDES = ["num_steps=2", "trainer.minibatches=2", "trainer.micro_batch_tokens
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
-def test_two_process_fsdp_update_equals_single_process(make_train_run, tiny_model_dir: Path) -> None:
+def train_single_and_sharded(make_train_run: Any, overrides: list[str]) -> tuple[RunPaths, RunPaths]:
+    """The same two steps trained by one process and by two FSDP2 processes (torchrun, gloo): their run dirs."""
     rows = {"num_groups": 3, "group_size": 4, "completion_lens": [5, 12, 8, 20]}
-    single = make_train_run(steps=[0, 1], overrides=OVERRIDES, name="single", **rows)
-    sharded = make_train_run(steps=[0, 1], overrides=OVERRIDES, name="fsdp", **rows)
+    single = make_train_run(steps=[0, 1], overrides=overrides, name="single", **rows)
+    sharded = make_train_run(steps=[0, 1], overrides=overrides, name="fsdp", **rows)
     run_trainer(StageContext.from_run_dir("train", single.root))
-
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "-m", "pipeline.cli", "stage", "train", "--run-dir", str(sharded.root)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return single, sharded
+
+
+@pytest.mark.slow
+def test_two_process_fsdp_update_equals_single_process(make_train_run, tiny_model_dir: Path) -> None:
+    single, sharded = train_single_and_sharded(make_train_run, OVERRIDES)
 
     initial = load_file(str(tiny_model_dir / "model.safetensors"))
     a = load_file(str(single.checkpoint_dir(2) / "model.safetensors"))

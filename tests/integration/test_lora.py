@@ -5,15 +5,13 @@ two gloo processes trains the same adapter as one process."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_publish import PROMPT, engine_logprobs, register  # tests/integration is on sys.path (pytest)
+from test_fsdp import train_single_and_sharded  # tests/integration is on sys.path (pytest)
+from test_publish import PROMPT, engine_logprobs, register
 from typer.testing import CliRunner
 
 from pipeline.cli import app
@@ -158,15 +156,7 @@ def test_step_rerun_from_a_lora_checkpoint_is_bitwise(make_train_run) -> None:
 @pytest.mark.slow
 def test_two_process_fsdp_lora_equals_single_process(make_train_run) -> None:
     overrides = [*LORA, "num_steps=2", "trainer.minibatches=2", "trainer.micro_batch_tokens=64"]
-    rows = {"num_groups": 3, "group_size": 4, "completion_lens": [5, 12, 8, 20]}
-    single = make_train_run(steps=[0, 1], overrides=overrides, name="single", **rows)
-    sharded = make_train_run(steps=[0, 1], overrides=overrides, name="fsdp", **rows)
-    run_trainer(StageContext.from_run_dir("train", single.root))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "pipeline.cli", "stage", "train", "--run-dir", str(sharded.root)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    single, sharded = train_single_and_sharded(make_train_run, overrides)
     for name in ("adapter_model.safetensors", "merged/model.safetensors"):
         a, b = (load_file(str(p.checkpoint_dir(2) / name)) for p in (single, sharded))
         assert a.keys() == b.keys()
