@@ -13,6 +13,7 @@ import os
 import random
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,6 +35,9 @@ from pipeline.trainer.packing import MicroBatch, plan_step
 from pipeline.trainer.publish import PublishOptions, make_publisher
 from pipeline.weight_version import write_weight_version
 from schemas.config import ArlConfig
+
+if TYPE_CHECKING:
+    from pipeline.trainer.torch_backend import TorchBackend
 
 log = logging.getLogger("arl.trainer")
 
@@ -180,7 +184,7 @@ class Trainer:
         self._state_dict = self.backend.hf_state_dict()
         staged = ckpt.stage_trainer_state(self.paths, version) if self.rank0 else Path(os.devnull)
         self.backend.save_state(staged)
-        adapter = self.backend.adapter_state_dict() if self.cfg.lora is not None else None  # type: ignore[attr-defined]
+        adapter = self._lora_backend().adapter_state_dict() if self.cfg.lora is not None else None
         if self.rank0:
             data = {"next_step": version, "seed": self.cfg.seed, "world_size": self.backend.world_size}
             ckpt.publish_state(self.paths, version, staged, data)
@@ -189,6 +193,12 @@ class Trainer:
         fsdp.barrier()
         timings.checkpoint_s = time.perf_counter() - t0
         return self.paths.weights_dir(version)
+
+    def _lora_backend(self) -> TorchBackend:
+        from pipeline.trainer.torch_backend import TorchBackend
+
+        assert isinstance(self.backend, TorchBackend), "trainer.lora is refused with another backend at validation"
+        return self.backend
 
     def save_weights(self, version: int, adapter: dict[str, torch.Tensor] | None) -> None:
         """Rank 0: the HF checkpoint, or with LoRA the adapter and the merged model beside it (`trainer.lora`)."""
@@ -199,7 +209,7 @@ class Trainer:
             return
         from pipeline.trainer import lora
 
-        config = self.backend.adapter_config()  # type: ignore[attr-defined]
+        config = self._lora_backend().adapter_config()
         lora.save_checkpoint(self.paths, version, adapter, config, self._state_dict, model, tokenizer, dtype)
 
     def publish(self, version: int, checkpoint: Path | None, timings: Timings) -> None:
