@@ -10,7 +10,10 @@ URLs (as `AgentRunner` spreads them). The two set-ups alternate `--rounds` times
 medians per set-up. Proxy CPU per completion is the CPU time of the proxy's processes (all workers)
 divided by the completions.
 
-Prints a table and a final `RESULT {...}` JSON line (goal: `speedup` >= 1.5 with 2 workers at c=64).
+Prints a table and a final `RESULT {...}` JSON line (goal: `speedup` >= 1.5 with 2 workers at c=64). The
+table's last column is what the cores allow: cores × 1000 / (proxy + engine + load generator CPU ms per
+completion); where the load generator and the engine take a large share of the same cores, a second proxy
+worker cannot raise completions/s past it.
 
     python benchmarks/proxy_workers.py [--workers 2] [--requests 4000] [--concurrency 64] [--rounds 2]
 """
@@ -120,8 +123,11 @@ def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 180
     return dict(json.loads(path.read_text()))
 
 
-def measure(workers: int, model_dir: str, engine_url: str, args: argparse.Namespace, tmp: str) -> dict[str, float]:
-    """Start the proxy with `workers`, warm it up, measure one round, stop it."""
+def measure(workers: int, model_dir: str, engine_url: str, engine_pid: int, args: argparse.Namespace,
+            tmp: str) -> dict[str, float]:  # fmt: skip
+    """Start the proxy with `workers`, warm it up, measure one round, stop it. Besides the proxy's CPU per
+    completion, the engine's and this load generator's: all three share the cores, which bounds completions/s at
+    cores / (their CPU per completion together), however many proxy workers there are."""
     import psutil
     import uvloop
 
@@ -132,11 +138,13 @@ def measure(workers: int, model_dir: str, engine_url: str, args: argparse.Namesp
     try:
         info = _wait_file(out, proc)
         procs = [psutil.Process(pid) for pid in info["pids"]]
+        engine, me = psutil.Process(engine_pid), psutil.Process()
         uvloop.run(_load(info["urls"], args.concurrency, max(200, args.requests // 10), args.turns))  # warm-up
-        cpu0 = sum(sum(p.cpu_times()[:2]) for p in procs)
+        before = [sum(sum(p.cpu_times()[:2]) for p in procs), sum(engine.cpu_times()[:2]), sum(me.cpu_times()[:2])]
         result = uvloop.run(_load(info["urls"], args.concurrency, args.requests, args.turns))
-        cpu = sum(sum(p.cpu_times()[:2]) for p in procs) - cpu0
-        result["proxy_cpu_ms_per_completion"] = 1000 * cpu / result["n"]
+        after = [sum(sum(p.cpu_times()[:2]) for p in procs), sum(engine.cpu_times()[:2]), sum(me.cpu_times()[:2])]
+        for name, t0, t1 in zip(("proxy", "engine", "load"), before, after, strict=True):
+            result[f"{name}_cpu_ms_per_completion"] = 1000 * (t1 - t0) / result["n"]
         return result
     finally:
         proc.terminate()
@@ -149,7 +157,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4000, help="completions per measurement")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--turns", type=int, default=8, help="calls per conversation")
-    parser.add_argument("--rounds", type=int, default=2, help="alternations of the two set-ups")
+    parser.add_argument("--rounds", type=int, default=4, help="alternations of the two set-ups")
     parser.add_argument("--serve", nargs=4, metavar=("MODEL_DIR", "ENGINE_URL", "WORKERS", "OUT"),
                         help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args()
@@ -176,7 +184,7 @@ def main() -> None:
             runs: dict[int, list[dict[str, float]]] = {1: [], args.workers: []}
             for _ in range(args.rounds):
                 for workers in (1, args.workers):
-                    runs[workers].append(measure(workers, model_dir, engine_url, args, tmp))
+                    runs[workers].append(measure(workers, model_dir, engine_url, engine.pid, args, tmp))
                     print(f"workers={workers}: {runs[workers][-1]}", flush=True)
         finally:
             engine.terminate()
@@ -187,13 +195,18 @@ def main() -> None:
 def _report(runs: dict[int, list[dict[str, float]]], args: argparse.Namespace) -> None:
     summary: dict[str, Any] = {"concurrency": args.concurrency, "turns": args.turns, "rounds": args.rounds,
                                "cpus": os.cpu_count(), "runs": runs}  # fmt: skip
-    print(f"{'workers':<10}{'completions/s':>16}{'proxy CPU ms/completion':>26}")
+    print(f"{'workers':<10}{'completions/s':>16}{'proxy CPU ms':>14}{'engine CPU ms':>15}{'load gen CPU ms':>17}"
+          f"{'CPU bound /s':>14}")  # fmt: skip
     for workers, results in runs.items():
         per_s = statistics.median(r["per_s"] for r in results)
-        cpu = statistics.median(r["proxy_cpu_ms_per_completion"] for r in results)
+        cpu = {k: statistics.median(r[f"{k}_cpu_ms_per_completion"] for r in results)
+               for k in ("proxy", "engine", "load")}  # fmt: skip
+        bound = (os.cpu_count() or 1) * 1000 / sum(cpu.values())
         summary[f"completions_per_s_w{workers}"] = per_s
-        summary[f"proxy_cpu_ms_per_completion_w{workers}"] = cpu
-        print(f"{workers:<10}{per_s:>16.0f}{cpu:>26.3f}")
+        summary[f"cpu_bound_per_s_w{workers}"] = bound
+        for name, value in cpu.items():
+            summary[f"{name}_cpu_ms_per_completion_w{workers}"] = value
+        print(f"{workers:<10}{per_s:>16.0f}{cpu['proxy']:>14.3f}{cpu['engine']:>15.3f}{cpu['load']:>17.3f}{bound:>14.0f}")
     speedup = summary[f"completions_per_s_w{args.workers}"] / summary["completions_per_s_w1"]
     paired = [b["per_s"] / a["per_s"] for a, b in zip(runs[1], runs[args.workers], strict=True)]
     summary.update(speedup=speedup, speedup_per_round=paired, target_speedup=1.5, meets_target=speedup >= 1.5)
