@@ -21,6 +21,7 @@ import pickle
 import random
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +50,16 @@ DATA_FILE = "data.json"
 def save_checkpoint(paths: RunPaths, version: int, state_dict: dict[str, torch.Tensor], model_dir: Path,
                     tokenizer_dir: Path | None = None, dtype: str | None = None) -> Path:  # fmt: skip
     """Publish weight `version` atomically in HF layout and point `LATEST` at the newest complete one."""
+    return publish_checkpoint(paths, version, lambda staged: write_hf_model(staged, state_dict, model_dir,
+                                                                            tokenizer_dir, dtype))  # fmt: skip
+
+
+def publish_checkpoint(paths: RunPaths, version: int, fill: Callable[[Path], None]) -> Path:
+    """Publish checkpoint `version` atomically, its files written by `fill(staging dir)` (full weights, or a LoRA
+    adapter), and point `LATEST` at the newest complete one."""
     final = paths.checkpoint_dir(version)
     with staging_dir(final) as staged:
-        write_hf_model(staged, state_dict, model_dir, tokenizer_dir, dtype)
+        fill(staged)
         publish_dir(staged, final, COMPLETE, {"version": version, "created_at": time.time()})
     write_text_atomic(paths.latest, f"{max(paths.complete_checkpoints())}\n")
     return final

@@ -17,16 +17,15 @@ state). `wrap` refuses adapters on anything but linear layers, which is what kee
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pipeline.errors import ArlError, ConfigError
-from pipeline.handoff import publish_dir, staging_dir, write_text_atomic
+from pipeline.handoff import publish_dir, staging_dir
 from pipeline.paths import COMPLETE, MERGED, RunPaths
-from pipeline.trainer.checkpoint import copy_tokenizer, write_hf_model
+from pipeline.trainer.checkpoint import copy_tokenizer, publish_checkpoint, write_hf_model
 from schemas.config import LoraConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -134,8 +133,7 @@ def save_checkpoint(paths: RunPaths, version: int, adapter: dict[str, torch.Tens
     the merged full model under `merged/`; then point `LATEST` at it (as `checkpoint.save_checkpoint`)."""
     from safetensors.torch import save_file
 
-    final = paths.checkpoint_dir(version)
-    with staging_dir(final) as staged:
+    def fill(staged: Path) -> None:
         copy_tokenizer(tokenizer_dir or model_dir, staged)
         (staged / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file({k: v.contiguous() for k, v in adapter.items()}, str(staged / ADAPTER_WEIGHTS),
@@ -143,9 +141,8 @@ def save_checkpoint(paths: RunPaths, version: int, adapter: dict[str, torch.Tens
         if merged is not None:
             (staged / MERGED).mkdir()
             write_hf_model(staged / MERGED, merged, model_dir, tokenizer_dir, dtype)
-        publish_dir(staged, final, COMPLETE, {"version": version, "created_at": time.time()})
-    write_text_atomic(paths.latest, f"{max(paths.complete_checkpoints())}\n")
-    return final
+
+    return publish_checkpoint(paths, version, fill)
 
 
 def base_of(adapter_dir: Path) -> Path:
