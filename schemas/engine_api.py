@@ -143,6 +143,9 @@ class GenerateReqInput(_Strict):
     session_id: str | None = None
     """Accepted for SGLang compatibility (routing identity); the hf engine does not use it."""
     log_metrics: bool = True
+    lora_path: str | list[str | None] | None = None
+    """The loaded LoRA adapter (its `lora_name`) that serves the request, one per prompt in a batch; None: the
+    base model. SGLang's field (its name, not a path, since adapters are loaded by `/load_lora_adapter`)."""
 
     @field_validator("top_logprobs_num", mode="before")
     @classmethod
@@ -257,6 +260,49 @@ class GetWeightsByNameReqInput(_Strict):
     """How many rows (elements of a vector) to return; SGLang's default 100."""
     rid: str | None = None
     """Accepted for SGLang compatibility (its request base class carries it); unused."""
+
+
+LORA_NAME_PREFIX = "arl-lora-v"
+
+
+def lora_adapter_name(version: int) -> str:
+    """The name a LoRA run's version `version` is loaded under (`trainer.lora.publish: adapter`): one per version,
+    so a request names the adapter that serves it and a new version never changes an adapter under a request."""
+    return f"{LORA_NAME_PREFIX}{version}"
+
+
+def lora_adapter_version(name: str) -> int | None:
+    """The version of an adapter named by `lora_adapter_name` (None for any other name)."""
+    tail = name.removeprefix(LORA_NAME_PREFIX)
+    return int(tail) if tail != name and tail.isdigit() else None
+
+
+class LoadLoRAAdapterReqInput(_Strict):
+    """Body of `POST /load_lora_adapter` (SGLang's; vLLM's `/v1/load_lora_adapter` takes the first two fields)."""
+
+    lora_name: str = Field(min_length=1)
+    """The name requests use (`lora_path` of `/generate`); loading a name already loaded is refused."""
+    lora_path: str = Field(min_length=1)
+    """A PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`) on the server's filesystem."""
+    pinned: bool = False
+    """SGLang: keep the adapter on the GPU (never evicted); arl's engines never evict one."""
+    lora_id: str | None = None
+    """SGLang fills this in itself; accepted and unused."""
+
+
+class UnloadLoRAAdapterReqInput(_Strict):
+    """Body of `POST /unload_lora_adapter`: requests already running on it finish first."""
+
+    lora_name: str = Field(min_length=1)
+    lora_id: str | None = None
+
+
+class UpdateWeightVersionReqInput(_Strict):
+    """Body of `POST /update_weight_version` (SGLang's): relabel the served weights without touching them, what a
+    LoRA publication does once the new adapter is loaded."""
+
+    new_version: str | int
+    abort_all_requests: bool = True
 
 
 class InferenceEntry(BaseModel):
