@@ -74,6 +74,15 @@ class AdminAnswer(_Open):
     """`/update_weights_from_disk` only (always 0: arl's engines finish or abort requests instead)."""
 
 
+class LoraAnswer(_Open):
+    """SGLang's answer of `/load_lora_adapter` and `/unload_lora_adapter` (its `LoRAUpdateOutput`): 200 with
+    `success` true, 400 with `success` false and `error_message`; `loaded_adapters` maps each name to its path."""
+
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, str] | None = None
+
+
 class ModelInfo(_Open):
     model_path: str
     tokenizer_path: str

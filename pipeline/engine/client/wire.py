@@ -156,7 +156,7 @@ async def raise_for_status(resp: aiohttp.ClientResponse, url: str) -> None:
     message: Any = data
     if isinstance(data, dict):
         err = data.get("error", data)
-        message = err.get("message", err) if isinstance(err, dict) else err
+        message = (err.get("message") or err.get("error_message") or err) if isinstance(err, dict) else err
     if resp.status == 503:  # paused or starting: another server may serve it
         raise Retryable(f"{url} answered 503: {message}")
     raise EngineError(f"{url} answered {resp.status}: {message}", status=resp.status, server=url)

@@ -5,7 +5,8 @@ Every route of docs/inference.md is here, once, for every backend: `/health`, `/
 deprecated aliases `/get_model_info`, `/get_server_info`), `/flush_cache`, `/abort_request`,
 `/pause_generation`, `/continue_generation`, `/update_weights_from_disk`, `/init_weights_update_group`,
 `/begin_weight_update`, `/update_weights_from_distributed`, `/end_weight_update`,
-`/destroy_weights_update_group`, `/get_weights_by_name`. Every path is one SGLang 0.5.23 serves, with
+`/destroy_weights_update_group`, `/get_weights_by_name`, `/load_lora_adapter`, `/unload_lora_adapter`,
+`/update_weight_version`. Every path is one SGLang 0.5.23 serves, with
 its meaning.
 
 Weight-update sessions are SGLang's: `/update_weights_from_distributed` is refused (400, before anything
@@ -37,7 +38,15 @@ from pipeline.engine.net import PeerLog
 from pipeline.engine.server.backend import EngineBackend
 from pipeline.engine.server.completions import complete, events, until_disconnect
 from pipeline.engine.server.requests import RequestError, expand
-from schemas.engine_answers import AdminAnswer, EngineError, GenerateResponse, ModelInfo, ServerInfo, WeightRows
+from schemas.engine_answers import (
+    AdminAnswer,
+    EngineError,
+    GenerateResponse,
+    LoraAnswer,
+    ModelInfo,
+    ServerInfo,
+    WeightRows,
+)
 from schemas.engine_api import (
     AbortReq,
     BeginWeightUpdateReqInput,
@@ -46,10 +55,13 @@ from schemas.engine_api import (
     GenerateReqInput,
     GetWeightsByNameReqInput,
     InitWeightsUpdateGroupReqInput,
+    LoadLoRAAdapterReqInput,
     PauseGenerationReqInput,
     SamplingParams,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
+    UpdateWeightVersionReqInput,
 )
 
 log = logging.getLogger("arl.engine.app")
@@ -65,7 +77,8 @@ _ADMIN: dict[int | str, dict[str, Any]] = {
 _EMPTY_OK: dict[int | str, dict[str, Any]] = {200: {"description": "Done (empty body)"}}
 _BODIES = (GenerateReqInput, SamplingParams, AbortReq, PauseGenerationReqInput, UpdateWeightFromDiskReqInput,
            InitWeightsUpdateGroupReqInput, BeginWeightUpdateReqInput, UpdateWeightsFromDistributedReqInput,
-           EndWeightUpdateReqInput, DestroyWeightsUpdateGroupReqInput, GetWeightsByNameReqInput)  # fmt: skip
+           EndWeightUpdateReqInput, DestroyWeightsUpdateGroupReqInput, GetWeightsByNameReqInput,
+           LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput, UpdateWeightVersionReqInput)  # fmt: skip
 
 
 def build_app(backend: EngineBackend, *, title: str) -> FastAPI:
@@ -77,6 +90,7 @@ def build_app(backend: EngineBackend, *, title: str) -> FastAPI:
     _info_routes(app, backend)
     _control_routes(app, backend)
     _weight_routes(app, backend)
+    _lora_routes(app, backend)
     publish(app, _BODIES, edit=_typed_sampling)
     return app
 
@@ -134,6 +148,10 @@ def _generation_routes(app: FastAPI, backend: EngineBackend) -> None:
         backend.requests_total += 1
         body = await parse_body(request, GenerateReqInput)
         items = expand(body, backend.limits, backend.tokenizer)
+        unknown = sorted({i.lora for i in items if i.lora is not None} - set(backend.loaded_adapters()))
+        if unknown:
+            raise RequestError(f"lora_path names adapters that are not loaded: {unknown}; loaded: "
+                               f"{sorted(backend.loaded_adapters())} (load one with /load_lora_adapter)")  # fmt: skip
         if not backend.serves_input_logprobs and any(i.logprob_start_len >= 0 for i in items):
             raise RequestError("logprob_start_len >= 0 (prompt logprobs) is not supported by this engine")
         text = body.return_text_in_logprobs
@@ -255,6 +273,40 @@ def _weight_routes(app: FastAPI, backend: EngineBackend) -> None:
         route("/get_weights_by_name", response_model=None, openapi_extra=json_body(GetWeightsByNameReqInput),
               operation_id=f"get_weights_by_name_{method}",
               responses={200: rows, **errors(AdminAnswer, 400), **_FAILED})(get_weights_by_name)  # fmt: skip
+
+
+def _lora_routes(app: FastAPI, backend: EngineBackend) -> None:
+    """SGLang's LoRA routes: its answer shape (`LoraAnswer`) for success and for every refusal alike."""
+    answers: dict[int | str, dict[str, Any]] = {
+        200: {"model": LoraAnswer, "description": "Done"},
+        400: {"model": LoraAnswer, "description": "Refused"},
+        **_FAILED,
+    }
+
+    async def lora_call(request: Request, model: type[M], call: Any) -> JSONResponse:
+        try:
+            loaded = await call(await parse_body(request, model))
+        except RequestError as exc:
+            body = {"success": False, "error_message": str(exc), "loaded_adapters": backend.loaded_adapters()}
+            return JSONResponse(body, status_code=400)
+        return JSONResponse({"success": True, "error_message": None, "loaded_adapters": loaded})
+
+    @app.post("/load_lora_adapter", response_model=None, responses=answers,
+              openapi_extra=json_body(LoadLoRAAdapterReqInput))  # fmt: skip
+    async def load_lora_adapter(request: Request) -> JSONResponse:
+        return await lora_call(request, LoadLoRAAdapterReqInput, backend.load_lora_adapter)
+
+    @app.post("/unload_lora_adapter", response_model=None, responses=answers,
+              openapi_extra=json_body(UnloadLoRAAdapterReqInput))  # fmt: skip
+    async def unload_lora_adapter(request: Request) -> JSONResponse:
+        return await lora_call(request, UnloadLoRAAdapterReqInput, backend.unload_lora_adapter)
+
+    @app.post("/update_weight_version", **_admin(UpdateWeightVersionReqInput))
+    async def update_weight_version(request: Request) -> JSONResponse:
+        body = await parse_body(request, UpdateWeightVersionReqInput)
+        version = parse_version(body.new_version)
+        assert version is not None  # new_version is required
+        return _success(await backend.update_weight_version(body, version))
 
 
 class _Session:

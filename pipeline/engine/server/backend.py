@@ -17,7 +17,13 @@ from typing import Any, Protocol
 
 from pipeline.engine.server.requests import Limits, PromptLogprobs, WorkItem
 from pipeline.engine.tokens import TopEntry
-from schemas.engine_api import InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput
+from schemas.engine_api import (
+    InitWeightsUpdateGroupReqInput,
+    LoadLoRAAdapterReqInput,
+    UnloadLoRAAdapterReqInput,
+    UpdateWeightsFromDistributedReqInput,
+    UpdateWeightVersionReqInput,
+)
 
 
 @dataclass
@@ -148,6 +154,22 @@ class EngineBackend(Protocol):
         """SGLang's `/get_weights_by_name`: `param.float().cpu().tolist()[:truncate_size]` of the served
         parameter with that Hugging Face name (a tied `lm_head.weight`: the embedding), read consistently
         with weight updates (never half-way through one). An unknown name is a `RequestError`."""
+        ...
+
+    def loaded_adapters(self) -> dict[str, str]:
+        """The LoRA adapters requests may name (`lora_path`): name -> directory."""
+        ...
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterReqInput) -> dict[str, str]:
+        """Load a PEFT adapter under a new name (a `RequestError` if it cannot serve it); returns `loaded_adapters`."""
+        ...
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterReqInput) -> dict[str, str]:
+        """Stop serving an adapter once the requests it serves finished; returns `loaded_adapters`."""
+        ...
+
+    async def update_weight_version(self, body: UpdateWeightVersionReqInput, version: int) -> str:
+        """Relabel the served weights `version` (nothing is loaded); returns the answer's message."""
         ...
 
     def model_info(self) -> dict[str, Any]:

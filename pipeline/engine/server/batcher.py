@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from pipeline.engine.server.backend import Progress
+from pipeline.engine.server.hf_lora import LoraAdapters, serving
 from pipeline.engine.server.kvbatch import KVBatch, cache_tensors, dynamic_cache
 from pipeline.engine.server.prefix_cache import PrefixCache, close_holes, prefill_inputs, store_finished
 from pipeline.engine.server.sampling import prompt_logprobs, sample_batch
@@ -78,6 +79,7 @@ class Scheduler:
         return_original_logprob: bool = False,
         seed: int | None = None,
         prefix_cache: PrefixCache | None = None,
+        lora: LoraAdapters | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -88,6 +90,7 @@ class Scheduler:
         self.weight_version = weight_version
         self.return_original_logprob = return_original_logprob
         self.prefix_cache = prefix_cache
+        self.lora = lora
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids, default=0))
         self.generator = torch.Generator(device=self.device)
         if seed is not None:
@@ -168,6 +171,12 @@ class Scheduler:
 
     def resume(self) -> None:
         self.paused = None
+
+    def serving(self, adapter: Any) -> bool:
+        """Whether a waiting or running request is served by `adapter` (scheduler thread)."""
+        with self._lock:
+            waiting = list(self._waiting)
+        return any(s.req.lora is adapter and s.finish is None for s in [*waiting, *self._running])
 
     def drained(self) -> bool:
         """No request is running (with mode `wait`: the pause is complete)."""
@@ -270,14 +279,15 @@ class Scheduler:
     def _prefill(self, fresh: list[Seq], keep: int = 1) -> None:
         """Prefill `fresh` and sample their first tokens; `keep` > 1 (one sequence): score its prompt too."""
         inputs = prefill_inputs(self.prefix_cache, fresh, self.pad_id, self.device)  # from cached prefixes
-        out = self.model(
-            input_ids=inputs.ids,
-            attention_mask=inputs.mask,
-            position_ids=inputs.positions,
-            past_key_values=dynamic_cache(inputs.past, self.model.config),
-            use_cache=True,
-            logits_to_keep=max(keep, 1),
-        )
+        with serving(self.lora, fresh):
+            out = self.model(
+                input_ids=inputs.ids,
+                attention_mask=inputs.mask,
+                position_ids=inputs.positions,
+                past_key_values=dynamic_cache(inputs.past, self.model.config),
+                use_cache=True,
+                logits_to_keep=max(keep, 1),
+            )
         for row, seq in enumerate(fresh):
             if wants_prompt_scored(seq):
                 seq.prompt = prompt_logprobs(
@@ -299,9 +309,10 @@ class Scheduler:
             time.sleep(self.decode_delay_s)
         last = torch.tensor([[s.output[-1]] for s in self._running], device=self.device)
         mask, positions, cache = self._batch.decode_inputs(self.model.config)  # the forward extends `cache` in place
-        out = self.model(
-            input_ids=last, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
-        )
+        with serving(self.lora, self._running):
+            out = self.model(
+                input_ids=last, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+            )
         self._sample(self._running, out.logits[:, -1])
         self._drop_finished()
 
@@ -315,7 +326,7 @@ class Scheduler:
         for seq, token, logprob, top in zip(seqs, out.tokens, out.logprobs, out.top, strict=True):
             seq.output.append(token)
             seq.logprobs.append(logprob)
-            seq.versions.append(self.weight_version)
+            seq.versions.append(seq.version_now(self.weight_version))
             if top is not None:
                 seq.top.append(top)
             finish = finish_of(seq, token, self.tokenizer, self.max_context)

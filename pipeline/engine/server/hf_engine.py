@@ -16,13 +16,19 @@ from typing import Any
 
 from pipeline.engine.server.backend import Check, Progress, model_info_body
 from pipeline.engine.server.batcher import Scheduler
+from pipeline.engine.server.hf_lora import LoraAdapters
 from pipeline.engine.server.hf_weights import StagedUpdate, WeightUpdates
 from pipeline.engine.server.prefix_cache import PrefixCache, describe
 from pipeline.engine.server.requests import Limits, RequestError, WorkItem, stop_token_ids
 from pipeline.engine.server.sampling import RowSampling
 from pipeline.engine.server.sequences import GenRequest
 from pipeline.engine.server.weights import eos_token_ids, load_model, load_tokenizer, resolve_device
-from schemas.engine_api import SamplingParams
+from schemas.engine_api import (
+    LoadLoRAAdapterReqInput,
+    SamplingParams,
+    UnloadLoRAAdapterReqInput,
+    UpdateWeightVersionReqInput,
+)
 
 _HEALTH_GENERATE_TIMEOUT_S = 20.0
 _DRAIN_TIMEOUT_S = 3600.0  # a pause with mode `wait` outlasts the longest completion; the caller has its own deadline
@@ -65,6 +71,7 @@ class HFEngine(WeightUpdates):
         self.limits = Limits(int(self.model.config.vocab_size), min(config.max_context or model_max, model_max))
         original = config.return_original_logprob or _env_flag("SGLANG_RETURN_ORIGINAL_LOGPROB")
         self.prefix_cache = PrefixCache(config.prefix_cache_mb * 2**20) if config.prefix_cache_mb > 0 else None
+        self.lora = LoraAdapters(self.model)
         self.scheduler = Scheduler(
             self.model,
             self.tokenizer,
@@ -75,6 +82,7 @@ class HFEngine(WeightUpdates):
             return_original_logprob=original,
             seed=config.seed,
             prefix_cache=self.prefix_cache,
+            lora=self.lora,
         )
         self.weight_groups: dict[str, Any] = {}
         self.staged = StagedUpdate()
@@ -112,6 +120,7 @@ class HFEngine(WeightUpdates):
             loop=asyncio.get_running_loop(),
             events=queue,
             logprob_start_len=item.logprob_start_len if item.return_logprob else -1,
+            lora=self.lora.get(item.lora) if item.lora is not None else None,
             stream=stream,
         )
         self.scheduler.submit(request)
@@ -177,6 +186,42 @@ class HFEngine(WeightUpdates):
     async def _on_scheduler(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self.scheduler.call(fn))
 
+    # -- LoRA adapters (SGLang's routes; `hf_lora.py`) ------------------------------------------
+    def loaded_adapters(self) -> dict[str, str]:
+        return self.lora.loaded()
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterReqInput) -> dict[str, str]:
+        """Load and check the adapter (off the event loop), then serve it from the next step on."""
+        if body.lora_name in self.lora.adapters:
+            raise RequestError(f"a LoRA adapter named {body.lora_name!r} is already loaded; unload it first")
+        adapter = await asyncio.to_thread(self.lora.read, body.lora_name, body.lora_path)
+        await self._on_scheduler(lambda: self.lora.register(adapter))
+        return self.lora.loaded()
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterReqInput) -> dict[str, str]:
+        """Refuse new requests for the adapter, wait for those it serves, then drop it."""
+        adapter = self.lora.get(body.lora_name)
+        adapter.retiring = True
+        deadline = time.monotonic() + _DRAIN_TIMEOUT_S
+        while await self._on_scheduler(lambda: self.scheduler.serving(adapter)):
+            if time.monotonic() > deadline:
+                adapter.retiring = False
+                raise RequestError(f"adapter {body.lora_name!r} still serves requests after {_DRAIN_TIMEOUT_S:.0f}s")
+            await asyncio.sleep(0.02)
+        await self._on_scheduler(lambda: self.lora.unregister(body.lora_name))
+        return self.lora.loaded()
+
+    async def update_weight_version(self, body: UpdateWeightVersionReqInput, version: int) -> str:
+        """SGLang's relabelling: the served weights are untouched, new tokens report `version`."""
+        if body.abort_all_requests:
+            await self.abort(None, "aborted by /update_weight_version")
+
+        def relabel() -> None:
+            self.scheduler.weight_version = version
+
+        await self._on_scheduler(relabel)
+        return f"weight version updated to {version}"
+
     # -- info -------------------------------------------------------------------------------
     def model_info(self) -> dict[str, Any]:
         config = self.model.config
@@ -206,6 +251,7 @@ class HFEngine(WeightUpdates):
             "started_at": self.started_at,
             "num_requests": self.requests_total,
             "prefix_cache": describe(self.prefix_cache),
+            "lora_adapters": self.lora.loaded(),
             **self.scheduler.load(),
         }
 

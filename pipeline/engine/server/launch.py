@@ -120,8 +120,15 @@ def _ports(config: ArlConfig) -> list[int]:
 
 
 def start_server(
-    paths: RunPaths, config: ArlConfig, index: int, port: int, model_path: str, version: int, attempt: int,
-    *, stage: str = "inference",
+    paths: RunPaths,
+    config: ArlConfig,
+    index: int,
+    port: int,
+    model_path: str,
+    version: int,
+    attempt: int,
+    *,
+    stage: str = "inference",
 ) -> RunningServer:
     """Start server `index`'s processes (not waiting for them), logging to `logs/<stage>/server-<index>...`."""
     inf = config.inference

@@ -26,7 +26,8 @@ out. Every weight update empties the cache (its KV came from the old weights), a
 across an update) is not stored when it finishes.
 
 Who does not use it: a request that wants its prompt scored (`logprob_start_len` >= 0, the trainer's
-verification probes among them) is prefilled whole, so its prompt logits are all computed.
+verification probes among them) is prefilled whole, so its prompt logits are all computed. Nor does a request
+served by a LoRA adapter (`hf_lora.py`): its KV differs from the base model's, and the cache holds the base's only.
 
 Batching hits and misses: each row's cached KV is left-padded to the widest hit, its remaining tokens
 left-padded to the longest remainder; the attention mask is [prefix mask | suffix mask], which has a
@@ -242,7 +243,7 @@ def prefill_inputs(cache: PrefixCache | None, fresh: list[Seq], pad_id: int, dev
     if cache is not None:
         for row, seq in enumerate(fresh):
             seq.cache_epoch = cache.epoch
-            if seq.req.logprob_start_len < 0:
+            if seq.req.logprob_start_len < 0 and seq.req.lora is None:
                 hits[row] = cache.lookup(tokens[row])
     for seq, hit in zip(fresh, hits, strict=True):
         if hit is not None:
@@ -297,7 +298,8 @@ def store_finished(cache: PrefixCache, seqs: list[Seq], batch: KVBatch) -> None:
     if batch.rows != len(seqs):
         return
     for row, seq in enumerate(seqs):
-        if seq.finish is None or seq.finish.get("type") not in STORED_FINISHES or seq.cache_epoch != cache.epoch:
+        if seq.finish is None or seq.finish.get("type") not in STORED_FINISHES or seq.cache_epoch != cache.epoch \
+                or seq.req.lora is not None:  # fmt: skip
             continue
         tokens = seq.req.input_ids + seq.output[:-1]  # the last sampled token has no KV yet
         columns = batch.mask[row].nonzero().squeeze(1)

@@ -38,6 +38,8 @@ class WorkItem:
     """k most likely tokens per output position (`meta_info.output_top_logprobs`); 0 = none, no cost."""
     logprob_start_len: int = -1
     """First prompt position scored in `meta_info.input_token_logprobs`; -1 = none (only with `return_logprob`)."""
+    lora: str | None = None
+    """The loaded LoRA adapter that serves it (`lora_path`); None: the base model."""
 
 
 @dataclass(frozen=True)
@@ -65,9 +67,10 @@ def expand(req: GenerateReqInput, limits: Limits, tokenizer: Any) -> list[WorkIt
     tops = _per_prompt(req.top_logprobs_num, count, "top_logprobs_num", 0)
     starts = _per_prompt(req.logprob_start_len, count, "logprob_start_len", -1)
     rids = _rids(req.rid, count)
+    loras = _per_prompt(req.lora_path, count, "lora_path", None)
     items: list[WorkItem] = []
-    for index, (prompt, sp, want_lp, top, start, rid) in enumerate(
-        zip(prompts, params, logprob_flags, tops, starts, rids, strict=True)
+    for index, (prompt, sp, want_lp, top, start, rid, lora) in enumerate(
+        zip(prompts, params, logprob_flags, tops, starts, rids, loras, strict=True)
     ):
         _check_prompt(prompt, index, limits)
         where = f" for prompt {index}" if count > 1 else ""
@@ -81,7 +84,7 @@ def expand(req: GenerateReqInput, limits: Limits, tokenizer: Any) -> list[WorkIt
         # Like SGLang: the completion is clipped to what fits in the context, not refused.
         max_new = min(sp.max_new_tokens, limits.max_context - len(prompt))
         rids_of = [rid] if sp.n == 1 else [f"{rid}_{j}" for j in range(sp.n)]
-        items.extend(WorkItem(r, prompt, sp, max_new, bool(want_lp), int(top), start) for r in rids_of)
+        items.extend(WorkItem(r, prompt, sp, max_new, bool(want_lp), int(top), start, lora) for r in rids_of)
     if req.stream and len(items) != 1:
         raise RequestError(f"stream=true needs one prompt with n=1; this request expands to {len(items)} completions")
     return items

@@ -25,6 +25,8 @@ class GenRequest:
     events: asyncio.Queue[Progress]
     logprob_start_len: int = -1
     """Score the prompt from this position on (SGLang's input logprobs); -1: no."""
+    lora: Any = None
+    """The `hf_lora.Adapter` serving it; None: the base model."""
     stream: bool = True
     """Deliver each step's tokens as they come; False: one event when the request finishes (nobody reads the
     intermediate ones, and each costs the event loop a wake-up per token while it shares the CPU with the model)."""
@@ -49,6 +51,12 @@ class Seq:
     """Prompt tokens whose KV came from the prefix cache (`prefix_cache.py`) rather than the prefill."""
     cache_epoch: int = -1
     """The prefix cache's epoch when this sequence's KV was computed: stored at the end only if unchanged."""
+
+    def version_now(self, current: int) -> int:
+        """The version a token sampled now comes from: its adapter's (arl's adapter names carry one), else the
+        served weights' `current`."""
+        version = getattr(self.req.lora, "version", None)
+        return current if version is None else int(version)
 
 
 def is_probe(seq: Seq) -> bool:
