@@ -85,7 +85,7 @@ def test_each_request_is_served_by_the_adapter_it_names(server: Any, tiny_model_
                 "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}  # fmt: skip
         client.post("/update_weight_version", json={"new_version": "7", "abort_all_requests": False})
         rows = client.post("/generate", json=body).json()
-        assert [r["meta_info"]["weight_version_spans"] for r in rows] == [[[0, 1]], [[0, 7]], [[0, 2]]]  # [first token, version]
+        assert [r["meta_info"]["weight_version_spans"] for r in rows] == [[[0, 1]], [[0, 7]], [[0, 2]]]
         assert client.get("/model_info").json()["weight_version"] == "7"
 
         gone = client.post("/unload_lora_adapter", json={"lora_name": "arl-lora-v1"})
