@@ -21,6 +21,13 @@ TMP_SUFFIX = ".tmp"
 STAGES = ("inference", "rollout", "proxy", "train")
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 _ATTEMPT_RE = re.compile(r"^attempt_(\d+)\.log$")
+ADAPTER_CONFIG = "adapter_config.json"
+"""PEFT's adapter config: a checkpoint holding it is a LoRA adapter (its base is elsewhere)."""
+
+
+def is_adapter_dir(path: Path) -> bool:
+    """Whether `path` is a PEFT LoRA adapter directory (a LoRA run's checkpoint) rather than a full model."""
+    return (path / ADAPTER_CONFIG).is_file()
 
 
 def step_name(step: int) -> str:

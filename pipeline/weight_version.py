@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -10,6 +11,8 @@ from pydantic import ValidationError
 from pipeline.errors import SchemaError
 from pipeline.handoff import read_json, write_json_atomic
 from pipeline.paths import RunPaths
+from schemas.config import ArlConfig
+from schemas.engine_api import lora_adapter_name
 from schemas.weight_version import WeightVersion
 
 
@@ -46,3 +49,33 @@ def published_version(paths: RunPaths) -> int:
     """The announced version as a number: 0 when nothing has been published yet."""
     record = read_weight_version(paths)
     return record.version if record is not None else 0
+
+
+def announced_adapter(config: ArlConfig, paths: RunPaths) -> AnnouncedAdapter | None:
+    """What an engine client of this run names in its requests: the announced adapter with
+    `trainer.lora.publish: adapter`, else nothing (None: the servers' own weights serve)."""
+    lora = config.trainer.lora
+    return AnnouncedAdapter(paths) if lora is not None and lora.publish == "adapter" else None
+
+
+class AnnouncedAdapter:
+    """The LoRA adapter of the announced version (`trainer.lora.publish: adapter`): what requests must name.
+
+    Called per request, so the file is re-read at most every `ttl_s`. The publisher keeps the previous
+    version's adapter loaded until the next publication, so a name up to `ttl_s` old is still served.
+    Version 0 is the base model (a fresh adapter is zero): no adapter is named.
+    """
+
+    def __init__(self, paths: RunPaths, ttl_s: float = 0.2) -> None:
+        self.paths = paths
+        self.ttl_s = ttl_s
+        self._name: str | None = None
+        self._read_at = -float("inf")
+
+    def __call__(self) -> str | None:
+        now = time.monotonic()
+        if now - self._read_at >= self.ttl_s:
+            version = published_version(self.paths)
+            self._name = lora_adapter_name(version) if version > 0 else None
+            self._read_at = now
+        return self._name

@@ -20,10 +20,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from pipeline.errors import ArlError
 from pipeline.eval.results import EVAL_STAGE, metrics_line, open_sinks, record, sink_figures
 from pipeline.eval.runner import SetResult, Where, evaluate_set
-from pipeline.paths import RunPaths, parse_step_name
+from pipeline.paths import RunPaths, is_adapter_dir, parse_step_name
 from schemas.config import ArlConfig, EvalSetConfig
 
 
@@ -70,8 +72,9 @@ def pick_weights(paths: RunPaths, config: ArlConfig, step: int | None, checkpoin
     """(model dir, weight version) to evaluate; a one-line error for one that is not there (or not complete)."""
     complete = paths.complete_checkpoints()
     if checkpoint is not None:
-        if not (checkpoint / "config.json").is_file():
-            raise ArlError(f"--checkpoint {checkpoint}: not a model directory (it has no config.json)")
+        if not (checkpoint / "config.json").is_file() and not is_adapter_dir(checkpoint):
+            raise ArlError(f"--checkpoint {checkpoint}: not a model directory (no config.json) nor a LoRA "
+                           "checkpoint (no adapter_config.json)")  # fmt: skip
         version = parse_step_name(checkpoint.resolve().name)
         if version is None:
             raise ArlError(f"--checkpoint {checkpoint}: its name must be the checkpoint's, step_<version> "
@@ -94,7 +97,7 @@ async def evaluate_checkpoint(paths: RunPaths, config: ArlConfig, sets: list[Eva
     from pipeline.engine.client import EngineClient
     from pipeline.engine.net import free_port
     from pipeline.engine.server.launch import start_server, wait_healthy
-    from pipeline.engine.server.supervise import terminate
+    from pipeline.engine.server.supervise import load_adapter, terminate
     from pipeline.proxy.server import ProxyServer
     from pipeline.rollout.services import agent_http_client
 
@@ -102,7 +105,11 @@ async def evaluate_checkpoint(paths: RunPaths, config: ArlConfig, sets: list[Eva
     server = start_server(paths, config, 0, free_port(), model_path, version, attempt, stage=EVAL_STAGE)
     try:
         await asyncio.to_thread(wait_healthy, [server], config.inference.startup_timeout_s, threading.Event())
-        async with EngineClient([server.url], request_timeout_s=config.inference.request_timeout_s) as engine:
+        adapter = server.adapter[0] if server.adapter else None  # a LoRA checkpoint: base + this adapter
+        with httpx.Client() as client:
+            await asyncio.to_thread(load_adapter, client, server)
+        async with EngineClient([server.url], request_timeout_s=config.inference.request_timeout_s,
+                                adapter=(lambda: adapter) if adapter else None) as engine:  # fmt: skip
             proxy = ProxyServer(config.model, config.proxy.model_copy(update={"port": 0}), engine,
                                 admin_key="arl-eval-" + secrets.token_urlsafe(16))  # fmt: skip
             url = await proxy.start()

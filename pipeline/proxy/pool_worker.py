@@ -38,6 +38,8 @@ class WorkerSpec:
     events_path: str | None
     """The parent's Unix socket for session ends; None when nobody subscribes."""
     log_level: int
+    adapters: bool = False
+    """Requests name the announced version's LoRA adapter (read from the run under `run_root`)."""
 
 
 class EndForwarder:
@@ -97,13 +99,15 @@ async def _serve(spec: WorkerSpec, counts: Any, conn: Any) -> None:
     from pipeline.paths import RunPaths
     from pipeline.proxy.capacity import Capacity
     from pipeline.proxy.server import ProxyServer
+    from pipeline.weight_version import AnnouncedAdapter
     from schemas.config.model import ModelConfig
     from schemas.config.proxy import ProxyConfig
 
     urls: Any = spec.engine_urls
     if urls is None:  # follow the run's registry, as the stage's own engine client does
         urls = urls_from_registry(RunPaths(Path(spec.run_root or ".")))
-    engine = EngineClient(urls, request_timeout_s=spec.request_timeout_s)
+    adapter = AnnouncedAdapter(RunPaths(Path(spec.run_root or "."))) if spec.adapters else None
+    engine = EngineClient(urls, request_timeout_s=spec.request_timeout_s, adapter=adapter)
     proxy = ProxyServer(ModelConfig(**spec.model), ProxyConfig(**spec.proxy), engine, admin_key=spec.admin_key,
                         capacity=Capacity(counts), worker=spec.index)  # fmt: skip
     if spec.events_path is not None:

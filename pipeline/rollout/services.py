@@ -107,9 +107,11 @@ async def open_services(
     proxy's session ends (`SessionStore.on_end`), subscribed before the proxy listens, so that no end is missed."""
     from pipeline.engine.client import EngineClient
     from pipeline.engine.registry import urls_from_registry
+    from pipeline.weight_version import announced_adapter
 
     await wait_for_servers(paths, config.inference.startup_timeout_s)
-    engine = EngineClient(urls_from_registry(paths), request_timeout_s=config.inference.request_timeout_s)
+    engine = EngineClient(urls_from_registry(paths), request_timeout_s=config.inference.request_timeout_s,
+                          adapter=announced_adapter(config, paths))  # fmt: skip
     await engine.start()
     entry = paths.proxy_entry(name)
     try:
@@ -160,7 +162,8 @@ async def _open_pool(config: ArlConfig, paths: RunPaths, engine: EngineClient,
     try:
         async with open_pool(config.model, config.proxy, admin_key=admin_key_for(config, paths), http=http,
                              run_root=str(paths.root), request_timeout_s=config.inference.request_timeout_s,
-                             on_end=on_end if subscribe is not None else None) as (pool, control):  # fmt: skip
+                             on_end=on_end if subscribe is not None else None,
+                             adapters=engine.adapter is not None) as (pool, control):  # fmt: skip
             if subscribe is not None:
                 hook.append(subscribe(control))
                 subscribed.set()

@@ -173,7 +173,8 @@ class Trainer:
 
     def maybe_checkpoint(self, version: int, timings: Timings, force: bool = False) -> Path | None:
         """Trainer state, then the HF checkpoint, then `LATEST`; disk sync needs one every step."""
-        due = (self.cfg.weight_sync == "disk" or force or version % self.cfg.checkpoint_every == 0
+        adapters = self.cfg.lora is not None and self.cfg.lora.publish == "adapter"  # servers load them from disk
+        due = (self.cfg.weight_sync == "disk" or adapters or force or version % self.cfg.checkpoint_every == 0
                or version == self.config.num_steps)  # fmt: skip
         self._state_dict = None
         if not due:
@@ -210,7 +211,8 @@ class Trainer:
         from pipeline.trainer import lora
 
         config = self._lora_backend().adapter_config()
-        lora.save_checkpoint(self.paths, version, adapter, config, self._state_dict, model, tokenizer, dtype)
+        merged = self._state_dict if self.cfg.lora is not None and self.cfg.lora.publish == "merged" else None
+        lora.save_checkpoint(self.paths, version, adapter, config, merged, model, tokenizer, dtype)
 
     def publish(self, version: int, checkpoint: Path | None, timings: Timings) -> None:
         t0 = time.perf_counter()

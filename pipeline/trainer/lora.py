@@ -24,11 +24,10 @@ import torch
 
 from pipeline.errors import ArlError, ConfigError
 from pipeline.handoff import publish_dir, staging_dir
-from pipeline.paths import COMPLETE, MERGED, RunPaths
+from pipeline.paths import ADAPTER_CONFIG, COMPLETE, MERGED, RunPaths, is_adapter_dir
 from pipeline.trainer.checkpoint import copy_tokenizer, publish_checkpoint, write_hf_model
 from schemas.config import LoraConfig
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_NAME = "default"
 """PEFT's name for the one adapter; its state-dict keys carry it, its saved files do not."""
@@ -42,10 +41,6 @@ def _peft() -> Any:
     except ImportError as exc:
         raise ConfigError(f"trainer.lora needs the peft package ({exc}): pip install 'arl[lora]'") from exc
     return peft
-
-
-def is_adapter_dir(path: Path) -> bool:
-    return (path / ADAPTER_CONFIG).is_file()
 
 
 def wrap(model: Any, cfg: LoraConfig, adapter_dir: Path | None) -> Any:

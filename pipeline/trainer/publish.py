@@ -17,6 +17,8 @@ One publication (`Publisher.publish`), with every server registered (routable or
    inference stage deregister it, restart it from the newest checkpoint and register it again once
    it serves the announced version (docs/reliability.md); it stays paused until then, so it never
    answers from a model that is neither the old nor the new version;
+With `trainer.lora.publish: adapter` step 1 is skipped and step 2 loads the version's adapter under a new name
+(`adapter_publish.py`): no request's weights change, so nothing is paused or resumed.
 5. once `inference.min_servers` (default: every server that took part) verified the version,
    generation resumes on all of them together; the trainer then announces it
    (`state/weight_version.json`). Fewer: the publication waits (deadline `trainer.publish_timeout_s`)
@@ -48,7 +50,9 @@ from pipeline.engine.server.weights import read_checkpoint
 from pipeline.errors import ArlError
 from pipeline.handoff import write_json_atomic
 from pipeline.paths import RunPaths
+from pipeline.trainer.adapter_publish import AdapterTransport, adapter_name, merged_from_dirs
 from pipeline.trainer.checkpoint import buckets
+from pipeline.trainer.lora import base_of
 from pipeline.trainer.transports import BroadcastTransport, DiskTransport, Outcome, ServerCalls
 from pipeline.trainer.verify import Expected, Verdict, Verifier
 
@@ -83,6 +87,8 @@ class PublishOptions:
     """Test seam: called with (version, bucket index) before each broadcast bucket (fault injection)."""
     tamper: Tamper | None = None
     """Test seam: rewrites the tensors sent for a version (a wrong name or dtype), not those verified against."""
+    adapter: bool = False
+    """`trainer.lora.publish: adapter`: servers load each version's adapter (`adapter_publish.py`), unpaused."""
 
     @classmethod
     def from_config(cls, config: Any) -> PublishOptions:
@@ -92,7 +98,8 @@ class PublishOptions:
                    logprob_atol=trainer.verify_tolerance,
                    min_servers=config.inference.min_servers, update_mode=config.inference.update_mode,
                    pause_mode=config.inference.pause_mode,
-                   interface=config.cluster.network_interface)  # fmt: skip
+                   interface=config.cluster.network_interface,
+                   adapter=trainer.lora is not None and trainer.lora.publish == "adapter")  # fmt: skip
 
     @property
     def pause(self) -> str:
@@ -152,8 +159,9 @@ class Publisher:
         self.tied = tied_embeddings
         self.options = options or PublishOptions()
         self.calls = ServerCalls(timeout_s)
-        self.transport: DiskTransport | BroadcastTransport = (
-            DiskTransport(self.calls) if kind == "disk"
+        self.transport: DiskTransport | BroadcastTransport | AdapterTransport = (
+            AdapterTransport(self.calls) if self.options.adapter
+            else DiskTransport(self.calls) if kind == "disk"
             else BroadcastTransport(self.calls, paths, self.options.broadcast_timeout_s, self.options.on_bucket,
                                     interface=self.options.interface)
         )  # fmt: skip
@@ -170,9 +178,10 @@ class Publisher:
         if not members:
             log.info("version %d: no inference server registered; none was updated", version)
             return report
-        tensors = state_dict if state_dict is not None else read_checkpoint(_required(checkpoint))
+        tensors = state_dict if state_dict is not None else self._read(version, checkpoint)
         # The trainer's side of the check (a forward of the probe) runs while the tensors travel.
-        expected = self.calls.pool.submit(self.verifier.expect, version, tensors) if self.verifier else None
+        lora = adapter_name(version) if self.options.adapter else None
+        expected = self.calls.pool.submit(self.verifier.expect, version, tensors, lora) if self.verifier else None
         sent = {k: v for k, v in tensors.items() if not (self.tied and k == "lm_head.weight")}
         if self.options.tamper is not None:
             sent = self.options.tamper(version, dict(sent))
@@ -197,9 +206,19 @@ class Publisher:
                 )
             time.sleep(_POLL_S)
             pending = [m for m in self._members() if m.key not in seen]
-        self._resume([m.url for m in verified.values()], version)
         report.servers = [m.url for m in verified.values()]
+        if isinstance(self.transport, AdapterTransport):
+            self.transport.retire(version, report.servers)
+        else:
+            self._resume(report.servers, version)
         return report
+
+    def _read(self, version: int, checkpoint: Path | None) -> StateDict:
+        """The version's full weights from disk: the checkpoint, or base + adapter for adapter publication."""
+        path = _required(checkpoint)
+        if self.options.adapter and version > 0:
+            return merged_from_dirs(path, self.options.verify_model or base_of(path)) if self.verifier else {}
+        return read_checkpoint(path)
 
     def _round(self, version: int, pending: list[_Member], checkpoint: Path | None, sent: dict[str, torch.Tensor],
                pending_expected: Future[Expected] | None, verified: dict[str, _Member],
@@ -208,7 +227,7 @@ class Publisher:
         t0 = time.perf_counter()
         urls = [m.url for m in pending]
         mode = self.options.pause
-        paused = [m.url for m in pending if m.pauses(mode)]
+        paused = [m.url for m in pending if m.pauses(mode) and not self.options.adapter]  # adapters: none paused
         failed = self.calls.failures(paused, "POST", "/pause_generation", {"mode": mode})
         live = [u for u in urls if u not in failed]
         outcome = self.transport.send(version, live, checkpoint, buckets(sent, BUCKET_BYTES)) if live else Outcome()
@@ -216,7 +235,7 @@ class Publisher:
         report.sync_s += time.perf_counter() - t0
         # A real SGLang server scores nothing while paused: it resumes first and is verified right after
         # (docs/reliability.md: the one window in which it may answer from unverified weights).
-        early = [m.url for m in pending if m.url in outcome.ok and not m.scores_while_paused(mode)]
+        early = [m.url for m in pending if m.url in paused and m.url in outcome.ok and not m.scores_while_paused(mode)]
         self._resume(early, version)
         t1 = time.perf_counter()
         expected = pending_expected.result() if pending_expected is not None else None

@@ -82,6 +82,9 @@ class Expected:
     """The probe's log-probabilities for positions 1.. (position 0 has none)."""
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
     """Sampled parameter name -> its first `WEIGHT_ROWS` rows, rounded to the served dtype, as fp32."""
+    adapter: str | None = None
+    """The LoRA adapter the probe names (adapter publication): the server's own weights stay the base's, so only
+    the probe checks (no weights are sampled)."""
 
 
 @dataclass
@@ -163,15 +166,16 @@ class Verifier:
         self.weights_supported: dict[str, bool] = {}
         """Per server URL: whether it answers `/get_weights_by_name` (logged once when it does not)."""
 
-    def expect(self, version: int, state_dict: dict[str, torch.Tensor]) -> Expected:
+    def expect(self, version: int, state_dict: dict[str, torch.Tensor], adapter: str | None = None) -> Expected:
+        """What a server holding `version` answers; `adapter`: the LoRA adapter it serves that version as."""
         served = getattr(torch, self.dtype)
         weights = {}
-        for name in weight_sample(list(state_dict), version, self.tied):
+        for name in weight_sample(list(state_dict), version, self.tied) if adapter is None else []:
             tied_to = "model.embed_tokens.weight" if name == "lm_head.weight" else name
             tensor = state_dict.get(name, state_dict.get(tied_to))
             if tensor is not None:
                 weights[name] = tensor[:WEIGHT_ROWS].to(served).to(torch.float32)
-        return Expected(version, self.probe, self.reference.logprobs(state_dict, self.probe), weights)
+        return Expected(version, self.probe, self.reference.logprobs(state_dict, self.probe), weights, adapter)
 
     async def check(self, client: Any, url: str, expected: Expected) -> Verdict:
         """Check one server (`client`: an `EngineClient`); a failure is a Verdict, never an exception."""
@@ -182,9 +186,9 @@ class Verifier:
             if served != expected.version:
                 verdict.problem = f"{url} reports weight_version {served}, expected {expected.version}"
             else:
-                scored = await client.score_prompt(url, expected.probe)
+                scored = await client.score_prompt(url, expected.probe, lora_path=expected.adapter)
                 verdict.problem = self._compare_probe(url, scored, expected, verdict)
-            if verdict.problem is None and self.weights_supported.get(url, True):
+            if verdict.problem is None and self.weights_supported.get(url, True) and expected.weights:
                 verdict.problem = await self._compare_weights(client, url, expected, verdict)
         except EngineError as exc:
             verdict.problem = f"{url}: verification call failed: {exc}"

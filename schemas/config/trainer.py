@@ -77,16 +77,8 @@ class LoraConfig(Block):
     of the decoder (not the output layer). Only linear layers can be adapted (merging is plain W + s * B @ A)."""
     publish: Literal["merged", "adapter"] = "merged"
     """How servers get a new version: `merged` = the trainer merges the adapter into the base and publishes full
-    weights by `trainer.weight_sync` (any engine); `adapter` = servers load the adapter by their own LoRA routes
-    (not built yet: refused)."""
-
-    @model_validator(mode="after")
-    def _adapter_publication_not_built(self) -> LoraConfig:
-        if self.publish == "adapter":
-            raise PydanticCustomError(
-                UNSUPPORTED, "trainer.lora.publish=adapter is not built yet: use trainer.lora.publish=merged", {}
-            )
-        return self
+    weights by `trainer.weight_sync` (any engine); `adapter` = servers load each version's adapter from its
+    checkpoint directory by their own LoRA routes, under a name per version (needs `trainer.weight_sync: disk`)."""
 
 
 class TrainerConfig(Block):
@@ -151,6 +143,15 @@ class TrainerConfig(Block):
                 "attention reads the per-sample boundaries); use packing=auto or packed",
                 {},
             )
+        return self
+
+    @model_validator(mode="after")
+    def _adapter_publication_reads_disk(self) -> TrainerConfig:
+        if self.lora is not None and self.lora.publish == "adapter" and self.weight_sync != "disk":
+            raise PydanticCustomError(
+                UNSUPPORTED, "trainer.lora.publish=adapter: servers load each adapter from its checkpoint directory, "
+                "so it needs trainer.weight_sync=disk (or trainer.lora.publish=merged to broadcast merged weights)", {}
+            )  # fmt: skip
         return self
 
     @model_validator(mode="after")

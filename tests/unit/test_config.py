@@ -238,5 +238,6 @@ def test_lora_block_and_its_refusals() -> None:
     assert config.trainer.lora.publish == "merged" and load_config(None, []).trainer.lora is None
     with pytest.raises(ConfigError, match=r"trainer\.lora needs trainer\.backend=torch"):
         load_config(None, ["trainer.lora.rank=8", "trainer.backend=megatron"])
-    with pytest.raises(ConfigError, match=r"trainer\.lora\.publish=adapter is not built yet"):
-        load_config(None, ["trainer.lora.publish=adapter"])
+    assert load_config(None, ["trainer.lora.publish=adapter"]).trainer.lora.publish == "adapter"  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match=r"trainer\.lora\.publish=adapter.*needs trainer\.weight_sync=disk"):
+        load_config(None, ["trainer.lora.publish=adapter", "trainer.weight_sync=nccl"])

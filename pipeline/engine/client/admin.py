@@ -176,13 +176,16 @@ class AdminCalls(abc.ABC):
                 raise result  # not a server's answer: a bug to see, not a failure to report
         return {u: r for u, r in results.items() if isinstance(r, dict | EngineError)}
 
-    async def score_prompt(self, url: str, input_ids: list[int]) -> list[Any]:
+    async def score_prompt(self, url: str, input_ids: list[int], *, lora_path: str | None = None) -> list[Any]:
         """SGLang's `meta_info.input_token_logprobs` of `input_ids` on one server: [logprob, id, text] per
         position, the first logprob null (nothing precedes it). Nothing is generated (`max_new_tokens: 0`)
-        and the `rid` marks it as the trainer's probe: arl's engines run it while generation is paused."""
-        body = {"input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": 0,
+        and the `rid` marks it as the trainer's probe: arl's engines run it while generation is paused. `lora_path`:
+        the LoRA adapter that scores it (None: the served weights alone)."""
+        body: dict[str, Any] = {"input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": 0,
                 "rid": f"{VERIFY_RID_PREFIX}{uuid.uuid4().hex}",
                 "sampling_params": {"max_new_tokens": 0, "temperature": 0.0}}  # fmt: skip
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         answer = await self._admin(url, "POST", "/generate", body)
         scored = (answer.get("meta_info") or {}).get("input_token_logprobs")
         if not isinstance(scored, list):

@@ -14,6 +14,11 @@ request is retried on another server; a 4xx is the caller's fault and is raised 
 retried. A background task re-checks `/health` every `health_interval_s` and re-reads the URL
 list when it is a callable (the registry directory), so servers that come and go are followed.
 
+LoRA adapters (`trainer.lora.publish: adapter`). With an `adapter` source, each request names the adapter of
+the announced version (`lora_path`, SGLang's field), and its tokens are labelled with that adapter's version:
+the adapter serves the request for its whole life on every engine, while SGLang's own `weight_version` is one
+label for the whole server.
+
 Cancellation. When the task awaiting a request is cancelled (the agent hung up), the client
 tells the server to stop decoding it (`POST /abort_request {"rid"}`), so abandoned requests do not
 hold batch slots. The same happens when the per-request timeout fires.
@@ -46,6 +51,7 @@ from pipeline.engine.client.wire import (
     result_from,
     sse_payloads,
 )
+from schemas.engine_api import lora_adapter_version
 
 log = logging.getLogger("arl.engine.client")
 
@@ -77,8 +83,11 @@ class EngineClient(AdminCalls):
         *,
         request_timeout_s: float = 600.0,
         health_interval_s: float = 5.0,
+        adapter: Callable[[], str | None] | None = None,
     ) -> None:
         self._url_source = urls
+        self.adapter = adapter
+        """The LoRA adapter new requests name (`lora_path`), asked per request; None: the base model."""
         self.request_timeout_s = request_timeout_s
         self.health_interval_s = health_interval_s
         self._servers: dict[str, _Server] = {}
@@ -150,7 +159,11 @@ class EngineClient(AdminCalls):
             except Retryable as exc:
                 self._fail_over(server, sticky_key, tried, exc, streamed=None)
                 continue
-            return result_from(data, server.url, top_logprobs_num)
+            result = result_from(data, server.url, top_logprobs_num)
+            version = adapter_version(body)
+            if version is not None:
+                result.weight_version, result.output_versions = version, [version] * len(result.output_ids)
+            return result
 
     async def generate_stream(
         self,
@@ -173,7 +186,10 @@ class EngineClient(AdminCalls):
             state = StreamState(top_logprobs_num=top_logprobs_num)
             inner = self._stream_from(server, body, state)
             try:
+                version = adapter_version(body)
                 async for chunk in inner:
+                    if version is not None:
+                        chunk.weight_version, chunk.new_versions = version, [version] * len(chunk.new_ids)
                     yield chunk
                 return
             except Retryable as exc:
@@ -230,6 +246,9 @@ class EngineClient(AdminCalls):
         }
         if top_logprobs_num:  # only when asked: the server then computes (and sends) the top-k
             body["top_logprobs_num"] = top_logprobs_num
+        adapter = self.adapter() if self.adapter is not None else None
+        if adapter is not None:
+            body["lora_path"] = adapter
         return body
 
     async def _tracked(self, server: _Server, rid: str, work: Awaitable[dict[str, Any]]) -> dict[str, Any]:
@@ -379,3 +398,9 @@ class EngineClient(AdminCalls):
         if self._session is None:
             raise RuntimeError("EngineClient used before start(): `await client.start()` or `async with client`")
         return self._session
+
+
+def adapter_version(body: dict[str, Any]) -> int | None:
+    """The run version of the adapter a request body names (None: the base model, or not one of arl's names)."""
+    name = body.get("lora_path")
+    return lora_adapter_version(name) if isinstance(name, str) else None

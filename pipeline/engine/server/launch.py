@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import IO, Any
 
 import httpx
@@ -37,12 +38,21 @@ from pipeline.engine.net import free_port, port_is_free, public_host
 from pipeline.engine.server.orphans import retire_orphans
 from pipeline.engine.server.placement import gpu_env, server_indices
 from pipeline.engine.server.procs import ProcSpec, server_procs
-from pipeline.engine.server.supervise import RunningServer, Supervisor, deregister, healthy, register, tail, terminate
+from pipeline.engine.server.supervise import (
+    RunningServer,
+    Supervisor,
+    deregister,
+    healthy,
+    load_adapter,
+    register,
+    tail,
+    terminate,
+)
 from pipeline.errors import ArlError, WaitTimeout
-from pipeline.paths import RunPaths
+from pipeline.paths import RunPaths, is_adapter_dir
 from pipeline.stage import StageContext
 from schemas.config import ArlConfig
-from schemas.engine_api import InferenceEntry
+from schemas.engine_api import InferenceEntry, lora_adapter_name
 
 log = logging.getLogger("arl.engine.launch")
 _HEALTH_STRIKES = 3
@@ -83,6 +93,9 @@ def run_inference(ctx: StageContext, *, stop: threading.Event | None = None) -> 
         if stop.is_set():  # stopped while starting: nothing was ready, nothing is registered
             log.info("stop requested while the servers were starting: stopping them")
             return 0
+        with httpx.Client() as http:
+            for server in servers:
+                load_adapter(http, server)
         for server in servers:
             register(paths, server)
         log.info("inference servers ready: %s", ", ".join(s.url for s in servers))
@@ -135,6 +148,10 @@ def start_server(
     url = f"http://{public_host(inf.host)}:{port}"
     log_path = paths.stage_logs(stage) / f"server-{index}.attempt_{attempt}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    adapter = None
+    if is_adapter_dir(Path(model_path)) and not (Path(model_path) / "config.json").is_file():
+        # A LoRA checkpoint (publish: adapter): the engine serves the base, then loads the adapter (`load_adapter`).
+        adapter, model_path = (lora_adapter_name(version), str(Path(model_path).resolve())), config.model.path
     specs = server_procs(config, host=inf.host, port=port, model_path=model_path, version=version)
     procs: list[subprocess.Popen[bytes]] = []
     handles: list[IO[bytes]] = []
@@ -150,7 +167,7 @@ def start_server(
     entry = InferenceEntry(
         url=url,
         backend=inf.backend,
-        model_path=model_path,
+        model_path=adapter[1] if adapter else model_path,
         weight_version=version,
         host=socket.gethostname(),
         pid=procs[-1].pid,
@@ -161,7 +178,8 @@ def start_server(
     log.info(
         "started %s server %d on port %d (pids %s, log %s)", inf.backend, index, port, [p.pid for p in procs], log_path
     )
-    return RunningServer(f"{socket.gethostname()}-{port}", url, log_path, procs, entry, index, port, logs=handles)
+    return RunningServer(f"{socket.gethostname()}-{port}", url, log_path, procs, entry, index, port, logs=handles,
+                         adapter=adapter)  # fmt: skip
 
 
 def _spawn(spec: ProcSpec, log_file: IO[bytes]) -> subprocess.Popen[bytes]:

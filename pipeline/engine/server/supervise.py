@@ -31,6 +31,7 @@ from typing import IO
 import httpx
 
 from pipeline.engine.registry import remove_entry, write_entry
+from pipeline.errors import ArlError
 from pipeline.paths import RunPaths
 from pipeline.weight_version import published_version
 from schemas.engine_api import InferenceEntry
@@ -55,6 +56,9 @@ class RunningServer:
     starting_since: float | None = None
     """Monotonic time of a restart not yet answering `/health` (None: up, or never restarted)."""
     logs: list[IO[bytes]] = field(default_factory=list)
+    adapter: tuple[str, str] | None = None
+    """(name, directory) of the LoRA adapter it must load before it is registered: a checkpoint of a run with
+    `trainer.lora.publish: adapter` is served as the base model + that adapter (`load_adapter`)."""
 
     def exited(self) -> int | None:
         """Exit code of the first process that ended, or None while all run."""
@@ -141,6 +145,7 @@ class Supervisor:
         assert server.starting_since is not None
         if healthy(http, server.url):
             server.starting_since = None
+            load_adapter(http, server)
             announced = published_version(self.paths)
             routable = server.entry.weight_version == announced
             server.entry = server.entry.model_copy(update={"routable": routable, "started_at": time.time()})
@@ -188,6 +193,20 @@ def healthy(http: httpx.Client, url: str) -> bool:
         return http.get(f"{url}/health").status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def load_adapter(http: httpx.Client, server: RunningServer, timeout_s: float = 600.0) -> None:
+    """Load the server's pending LoRA adapter (`RunningServer.adapter`) once it answers; an `ArlError` naming the
+    server and the engine's reason if it refuses."""
+    if server.adapter is None:
+        return
+    name, path = server.adapter
+    answer = http.post(f"{server.url}/load_lora_adapter", json={"lora_name": name, "lora_path": path},
+                       timeout=timeout_s)  # fmt: skip
+    if answer.status_code != 200:
+        raise ArlError(f"inference server {server.name} ({server.url}) refused LoRA adapter {name} from {path}: "
+                       f"{answer.status_code} {answer.text[:500]}")  # fmt: skip
+    server.adapter = None
 
 
 def register(paths: RunPaths, server: RunningServer) -> None:
