@@ -125,15 +125,16 @@ def test_checkpoint_is_peft_format_and_merged_publication_serves_base_plus_adapt
     assert missing.exit_code == 2 and "no complete checkpoint of version 7" in missing.output
 
 
-def served_prompt_logprobs(url: str, ids: list[int]) -> list[float]:
-    """The engine's own log-probabilities of `ids` (its prompt log-probs, as the publication's probe reads them)."""
+def served_prompt_logprobs(url: str, ids: list[int], lora: str | None = None) -> list[float]:
+    """The engine's own log-probabilities of `ids` (its prompt log-probs, as the publication's probe reads them),
+    from the LoRA adapter `lora` (None: the served weights)."""
     import asyncio
 
     from pipeline.engine.client import EngineClient
 
     async def go() -> list[float]:
         async with EngineClient([url], health_interval_s=0) as client:
-            scored = await client.score_prompt(url, ids)
+            scored = await client.score_prompt(url, ids, lora_path=lora)
         return [float(entry[0]) for entry in scored[1:]]  # the first token has no log-probability
 
     return asyncio.run(go())
@@ -170,3 +171,57 @@ def test_run_paths_serve_the_merged_model_of_a_lora_checkpoint(tmp_path: Path) -
     (paths.checkpoint_dir(4)).mkdir()
     assert paths.weights_dir(3) == paths.checkpoint_dir(3) / "merged"
     assert paths.weights_dir(4) == paths.checkpoint_dir(4)
+
+
+def test_adapter_publication_serves_each_version_as_its_own_adapter(make_train_run, tiny_model_dir: Path) -> None:
+    """`publish: adapter`: the server loads each version's PEFT checkpoint by `/load_lora_adapter` (no merged model
+    is written), serves it as PEFT's base + adapter, keeps its base weights, and holds the last two versions."""
+    import asyncio
+    import threading
+    import time
+
+    import httpx
+
+    from pipeline.engine.client import EngineClient
+    from pipeline.engine.net import free_port
+    from pipeline.engine.server.launch import start_server, wait_healthy
+    from pipeline.engine.server.supervise import load_adapter, terminate
+    from pipeline.weight_version import AnnouncedAdapter
+
+    paths = make_train_run(steps=[0, 1, 2], overrides=[*LORA, "num_steps=3", "trainer.lora.publish=adapter"])
+    with start_hf_server(tiny_model_dir, seed=0) as server:
+        register(paths, "s0", server.url, tiny_model_dir)
+        run_trainer(StageContext.from_run_dir("train", paths.root))  # publishes versions 0..3, verified
+        deadline = time.monotonic() + 30  # the unload of version 1 is started, not awaited, by the publisher
+        while set(httpx.get(f"{server.url}/server_info").json()["lora_adapters"]) != {"arl-lora-v2", "arl-lora-v3"}:
+            assert time.monotonic() < deadline, httpx.get(f"{server.url}/server_info").json()["lora_adapters"]
+            time.sleep(0.2)
+
+        async def generate() -> tuple[list[int], list[int]]:
+            async with EngineClient([server.url], health_interval_s=0, adapter=AnnouncedAdapter(paths)) as client:
+                result = await client.generate(PROMPT, {"max_new_tokens": 6, "ignore_eos": True})
+                return result.output_ids, result.output_versions
+
+        ids, versions = asyncio.run(generate())
+        probe = PROMPT + ids
+        served = served_prompt_logprobs(server.url, probe, lora="arl-lora-v3")
+        base_served = served_prompt_logprobs(server.url, probe)
+        assert httpx.get(f"{server.url}/model_info").json()["weight_version"] == "3"
+    assert versions == [3] * 6 and read_json(paths.weight_version)["checkpoint"] == "checkpoints/step_000003"
+    assert not any((paths.checkpoint_dir(v) / "merged").exists() for v in (2, 3))
+    expected = probe_logprobs(peft_model(tiny_model_dir, paths.checkpoint_dir(3)), probe)  # plain PEFT
+    assert max_diff(torch.tensor(served), expected) < 1e-5
+    base = probe_logprobs(hf_model(tiny_model_dir), probe)
+    assert max_diff(torch.tensor(base_served), base) < 1e-5 and max_diff(base, expected) > 1e-3
+
+    # A server (re)started on the checkpoint serves base + adapter, as the inference stage and `arl eval` do.
+    config = StageContext.from_run_dir("train", paths.root).config
+    fresh = start_server(paths, config, 0, free_port(), str(paths.weights_dir(3)), 3, 1)
+    try:
+        assert fresh.adapter == ("arl-lora-v3", str(paths.checkpoint_dir(3).resolve()))
+        wait_healthy([fresh], 120, threading.Event())
+        with httpx.Client() as http:
+            load_adapter(http, fresh)
+        assert max_diff(torch.tensor(served_prompt_logprobs(fresh.url, probe, lora="arl-lora-v3")), expected) < 1e-5
+    finally:
+        terminate(fresh)
