@@ -125,6 +125,27 @@ def test_checkpoint_is_peft_format_and_merged_publication_serves_base_plus_adapt
     assert missing.exit_code == 2 and "no complete checkpoint of version 7" in missing.output
 
 
+@pytest.mark.slow
+def test_merged_publication_by_broadcast_serves_base_plus_adapter(make_train_run, tiny_model_dir: Path) -> None:
+    """`trainer.weight_sync: nccl` (gloo on CPU) broadcasts the merged tensors of a LoRA run from the trainer's own
+    process, as `arl launch` runs it."""
+    import subprocess
+    import sys
+
+    paths = make_train_run(steps=[0], overrides=[*LORA, "num_steps=1", "trainer.weight_sync=nccl"])
+    with start_hf_server(tiny_model_dir, seed=0) as server:
+        register(paths, "s0", server.url, tiny_model_dir)
+        cmd = [sys.executable, "-m", "pipeline.cli", "stage", "train", "--run-dir", str(paths.root)]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        ids, _, version = engine_logprobs(server.url)
+        served = torch.tensor(served_prompt_logprobs(server.url, PROMPT + ids))
+    assert version == 1 and read_json(paths.weight_sync)["backend"] == "gloo"
+    expected = probe_logprobs(peft_model(tiny_model_dir, paths.checkpoint_dir(1)), PROMPT + ids)
+    assert max_diff(served, expected) < 1e-5 and max_diff(probe_logprobs(hf_model(tiny_model_dir), PROMPT + ids),
+                                                          expected) > 1e-3  # fmt: skip
+
+
 def served_prompt_logprobs(url: str, ids: list[int], lora: str | None = None) -> list[float]:
     """The engine's own log-probabilities of `ids` (its prompt log-probs, as the publication's probe reads them),
     from the LoRA adapter `lora` (None: the served weights)."""
