@@ -7,6 +7,8 @@ Runs inside the SGLang venv (`scripts/sglang_venv.sh`); arl never imports it. Th
     python sglang_judge.py routes                          SGLang's route table, as JSON
     python sglang_judge.py parse-args -- ARGV...           a `sglang.launch_server` command line through
                                                            SGLang's own parser and checks, as JSON
+    python sglang_judge.py check-bodies                    request bodies (a JSON list of {"type", "body"} on
+                                                           stdin) as SGLang's HTTP server reads them, as JSON
     python sglang_judge.py serve --record FILE [--corrupt VERSION:NAME:DELTA] -- ARGV...
                                                            SGLang's server for that command line
 
@@ -55,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -72,7 +75,7 @@ STEP_S = 0.005  # one decode step of the stand-in: a stream gets one event per t
 def main(argv: list[str]) -> int:
     own, sglang_argv = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("mode", choices=["routes", "parse-args", "serve"])
+    parser.add_argument("mode", choices=["routes", "parse-args", "check-bodies", "serve"])
     parser.add_argument("--record", type=Path, help="serve: append every request SGLang's code produced here")
     parser.add_argument("--corrupt", metavar="VERSION:NAME:DELTA",
                         help="serve: once weight version VERSION is loaded, add DELTA to parameter NAME")  # fmt: skip
@@ -81,6 +84,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps(route_table()))
     elif args.mode == "parse-args":
         print(json.dumps(parse_args(sglang_argv)))
+    elif args.mode == "check-bodies":
+        print(json.dumps(check_bodies(json.load(sys.stdin))))
     else:
         if args.record is None:
             parser.error("serve needs --record FILE")
@@ -145,11 +150,44 @@ def parse_args(sglang_argv: list[str]) -> dict[str, Any]:
 
 
 _REPORTED = ("model_path", "tokenizer_path", "host", "port", "tp_size", "dp_size", "pp_size", "mem_fraction_static",
-             "dtype", "weight_version", "context_length", "incremental_streaming_output", "device")  # fmt: skip
+             "dtype", "weight_version", "context_length", "incremental_streaming_output", "device", "enable_lora",
+             "max_lora_rank", "lora_target_modules", "max_loras_per_batch", "max_loaded_loras")  # fmt: skip
 
 
 def _jsonable(value: Any) -> Any:
+    if isinstance(value, (set, frozenset)):
+        return sorted(_jsonable(v) for v in value)
     return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+
+
+# -- request bodies --------------------------------------------------------------------------------
+def check_bodies(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """{"version", "results": [{"ok", "error"?, "ignored", "fields"?}]}: each body as SGLang's route reads it.
+
+    A route's body is `Annotated[<io_struct class>, Body()]`; FastAPI validates the parsed JSON with the pydantic
+    schema of the class (a msgspec struct's is SGLang's `msgspec_struct_pydantic_core_schema`; `GenerateReqInput`
+    is a dataclass): lax, unknown keys dropped (reported here as `ignored`), which is
+    `TypeAdapter(cls).validate_python`. A `GenerateReqInput` then goes through
+    `normalize_batch_and_arguments`, the tokenizer manager's first step (per-prompt `lora_path` lists).
+    """
+    from pydantic import TypeAdapter
+    from sglang.srt.managers import io_struct
+    from sglang.version import __version__
+
+    results = []
+    for entry in entries:
+        cls = getattr(io_struct, entry["type"])
+        known = getattr(cls, "__struct_fields__", None) or [f.name for f in dataclasses.fields(cls)]
+        result: dict[str, Any] = {"ignored": sorted(set(entry["body"]) - set(known))}
+        try:
+            obj = TypeAdapter(cls).validate_python(entry["body"])
+            if isinstance(obj, io_struct.GenerateReqInput):
+                obj.normalize_batch_and_arguments()
+        except Exception as exc:
+            results.append({**result, "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        results.append({**result, "ok": True, "fields": _fields(obj)})
+    return {"version": __version__, "results": results}
 
 
 # -- serve -----------------------------------------------------------------------------------------

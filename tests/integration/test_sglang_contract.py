@@ -33,8 +33,17 @@ import torch
 from pipeline.config import load_config
 from pipeline.engine.client import EngineClient, EngineError
 from pipeline.engine.net import free_port
-from pipeline.engine.server.procs import REPO_ROOT, sglang_command
+from pipeline.engine.server.procs import LORA_ADAPTERS, REPO_ROOT, sglang_command
+from pipeline.engine.server.requests import Limits, expand
 from pipeline.engine.weight_group import broadcast_from_trainer, destroy_weight_group, init_weight_group
+from schemas.config import LoraConfig
+from schemas.engine_api import (
+    GenerateReqInput,
+    LoadLoRAAdapterReqInput,
+    UnloadLoRAAdapterReqInput,
+    UpdateWeightVersionReqInput,
+    lora_adapter_name,
+)
 
 SGLANG_PYTHON = REPO_ROOT / ".sglang-venv" / "bin" / "python"
 JUDGE = Path(__file__).with_name("sglang_judge.py")
@@ -50,10 +59,10 @@ pytestmark = [
 
 
 # -- the judge ----------------------------------------------------------------------------------------
-def judge_json(*args: str) -> dict[str, Any]:
-    """One-shot judge mode (`routes`, `parse-args`): its JSON answer."""
+def judge_json(*args: str, stdin: Any = None) -> dict[str, Any]:
+    """One-shot judge mode (`routes`, `parse-args`, `check-bodies` with `stdin`): its JSON answer."""
     done = subprocess.run([str(SGLANG_PYTHON), "-W", "ignore", str(JUDGE), *args], capture_output=True, text=True,
-                          timeout=300, check=False)  # fmt: skip
+                          input=None if stdin is None else json.dumps(stdin), timeout=300, check=False)  # fmt: skip
     assert done.returncode == 0, f"judge {args[:1]} exited {done.returncode}:\n{done.stderr[-4000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -201,7 +210,9 @@ def test_sglang_serves_the_endpoints_the_contract_relies_on(routes: dict[str, An
               ("/abort_request", "POST"), ("/pause_generation", "POST"), ("/continue_generation", "POST"),
               ("/flush_cache", "POST"), ("/update_weights_from_disk", "POST"), ("/init_weights_update_group", "POST"),
               ("/begin_weight_update", "POST"), ("/update_weights_from_distributed", "POST"),
-              ("/end_weight_update", "POST"), ("/destroy_weights_update_group", "POST")}  # fmt: skip
+              ("/end_weight_update", "POST"), ("/destroy_weights_update_group", "POST"),
+              ("/load_lora_adapter", "POST"), ("/unload_lora_adapter", "POST"),
+              ("/update_weight_version", "POST")}  # fmt: skip
     assert needed <= table, sorted(needed - table)
     assert not any(r["path"] == "/get_weight_version" for r in routes["routes"])
 
@@ -237,6 +248,7 @@ def test_sglang_parses_the_command_line_arl_builds(tiny_model_dir: Path, overrid
     assert resolved["weight_version"] == "7"  # SGLang's version is a string; arl reads it back as an int
     assert resolved["context_length"] == config.model.max_context
     assert resolved["incremental_streaming_output"] == ("--incremental-streaming-output" in " ".join(overrides))
+    assert not resolved["enable_lora"]  # LoRA flags only for a run that publishes adapters
 
 
 def test_sglang_refuses_a_flag_it_does_not_know(tiny_model_dir: Path) -> None:
@@ -244,6 +256,59 @@ def test_sglang_refuses_a_flag_it_does_not_know(tiny_model_dir: Path) -> None:
     config = arl_sglang_config(tiny_model_dir, "inference.extra_args=[--no-such-flag]")
     answer = judge_json("parse-args", "--", *launch_argv(config, 30123, tiny_model_dir, 0))
     assert not answer["ok"] and "--no-such-flag" in answer["error"], answer
+
+
+# -- LoRA adapters (`trainer.lora.publish: adapter`) --------------------------------------------------
+def adapter_run_config(model_dir: Path, lora: LoraConfig) -> Any:
+    """A run publishing adapters (`trainer.lora` set past validation: see `vllm_process.with_lora`)."""
+    config = arl_sglang_config(model_dir)
+    object.__setattr__(config.trainer, "lora", lora)
+    return config
+
+
+@pytest.mark.parametrize(("targets", "expected"), [("all-linear", ["all"]),
+                                                   (["q_proj", "v_proj"], ["q_proj", "v_proj"])])  # fmt: skip
+def test_sglang_takes_arls_lora_flags(tiny_model_dir: Path, targets: Any, expected: list[str]) -> None:
+    """SGLang's parser and its LoRA checks (`check_lora_server_args`) take arl's flags: LoRA on with no adapter
+    at start (which needs the rank and the target modules), and room for two adapters beside the base model."""
+    lora = LoraConfig.model_construct(rank=12, target_modules=targets, publish="adapter")
+    answer = judge_json("parse-args", "--", *launch_argv(adapter_run_config(tiny_model_dir, lora), 30123,
+                                                         tiny_model_dir, 0))  # fmt: skip
+    assert answer["ok"], answer
+    resolved = answer["resolved"]
+    assert resolved["enable_lora"] is True and resolved["max_lora_rank"] == 12
+    assert resolved["lora_target_modules"] == expected
+    # The base model takes one of a batch's adapter slots in SGLang: two adapters and the base.
+    assert resolved["max_loras_per_batch"] == resolved["max_loaded_loras"] == LORA_ADAPTERS + 1
+
+
+def test_sglang_reads_arls_lora_bodies() -> None:
+    """arl's LoRA request bodies, as SGLang's routes read them (its io_struct classes, `check-bodies`)."""
+    name, path = lora_adapter_name(3), "/runs/demo/trial0/checkpoints/step_000003"
+    load = LoadLoRAAdapterReqInput(lora_name=name, lora_path=path)
+    unload = UnloadLoRAAdapterReqInput(lora_name=name)
+    generate = EngineClient(["http://unused"])._body(PROMPT, {"max_new_tokens": 4}, stream=False, top_logprobs_num=0)
+    batch = {"input_ids": [PROMPT, PROMPT], "lora_path": [name, None], "sampling_params": {"max_new_tokens": 1}}
+    relabel = UpdateWeightVersionReqInput(new_version="4", abort_all_requests=False)
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("LoadLoRAAdapterReqInput", load.model_dump()),
+        ("LoadLoRAAdapterReqInput", load.model_dump(exclude_none=True)),
+        ("UnloadLoRAAdapterReqInput", unload.model_dump(exclude_none=True)),
+        ("UpdateWeightVersionReqInput", relabel.model_dump()),
+        ("GenerateReqInput", {**generate, "lora_path": name}),
+        ("GenerateReqInput", batch),
+    ]
+    answer = judge_json("check-bodies", stdin=[{"type": kind, "body": body} for kind, body in cases])
+    for (kind, body), result in zip(cases, answer["results"], strict=True):
+        assert result["ok"] and result["ignored"] == [], (kind, body, result)
+        kept = {k: v for k, v in body.items() if k in ("lora_name", "lora_path", "pinned", "new_version")}
+        assert {k: result["fields"][k] for k in kept} == kept, (kind, result["fields"])
+    assert answer["results"][-1]["fields"]["lora_path"] == [name, None]  # one per prompt, as arl's `expand` reads it
+    items = expand(GenerateReqInput.model_validate(batch), Limits(1000, 512), tokenizer=None)
+    assert [item.lora for item in items] == [name, None]
+    # arl's model also takes an int version; SGLang's field is a string: a client must send str(version).
+    as_int = judge_json("check-bodies", stdin=[{"type": "UpdateWeightVersionReqInput", "body": {"new_version": 4}}])
+    assert not as_int["results"][0]["ok"] and "valid string" in as_int["results"][0]["error"], as_int
 
 
 # -- generation ---------------------------------------------------------------------------------------

@@ -28,18 +28,29 @@ from typing import Any
 
 import pytest
 from packaging.requirements import Requirement
+from vllm_process import with_lora  # tests/integration is on sys.path (pytest)
 
 from pipeline.config import load_config
-from pipeline.engine.server.procs import REPO_ROOT, WORKER_EXTENSION, ProcSpec, vllm_procs, vllm_venv_python
+from pipeline.engine.server.procs import (
+    LORA_ADAPTERS,
+    REPO_ROOT,
+    VLLM_LORA_RANKS,
+    WORKER_EXTENSION,
+    ProcSpec,
+    vllm_lora_rank,
+    vllm_procs,
+    vllm_venv_python,
+)
 from pipeline.engine.server.requests import expand, stop_token_ids
 from pipeline.engine.server.vllm_adapter import AdapterConfig, VLLMAdapter
 from pipeline.engine.server.vllm_wire import completion_body
+from schemas.config import LoraConfig
 from schemas.engine_api import GenerateReqInput
 
 VLLM_PYTHON = vllm_venv_python()
 JUDGE = Path(__file__).with_name("vllm_judge.py")
 ADAPTER_SOURCES = [
-    REPO_ROOT / "pipeline" / "engine" / "server" / f"{name}.py" for name in ("vllm_adapter", "vllm_gate")
+    REPO_ROOT / "pipeline" / "engine" / "server" / f"{name}.py" for name in ("vllm_adapter", "vllm_gate", "vllm_lora")
 ]
 SERVED = "arl-policy"
 MAX_CONTEXT = 512
@@ -68,13 +79,21 @@ def judge(mode: str, spec: ProcSpec, stdin: Any = None) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])  # vLLM logs to stdout too: the answer is last
 
 
-def vllm_spec(model_dir: Path, *overrides: str) -> ProcSpec:
-    """The vLLM process of one `vllm` server, as the inference stage would start it."""
+def vllm_spec(model_dir: Path, *overrides: str, lora: LoraConfig | None = None) -> ProcSpec:
+    """The vLLM process of one `vllm` server, as the inference stage would start it (`lora`: the run's
+    `trainer.lora`)."""
     base = [f"model.path={model_dir}", "inference.backend=vllm", f"model.max_context={MAX_CONTEXT}",
             f"inference.python={VLLM_PYTHON}", f"model.served_name={SERVED}"]  # fmt: skip
-    server, _adapter = vllm_procs(load_config(None, [*base, *overrides]), host="127.0.0.1", port=8000,
-                                  model_path=str(model_dir), version=0)  # fmt: skip
+    config = load_config(None, [*base, *overrides])
+    if lora is not None:
+        with_lora(config, lora)
+    server, _adapter = vllm_procs(config, host="127.0.0.1", port=8000, model_path=str(model_dir), version=0)
     return server
+
+
+def adapter_run(rank: int) -> LoraConfig:
+    """`trainer.lora` of a run that publishes adapters (`model_construct`: see `vllm_process.with_lora`)."""
+    return LoraConfig.model_construct(rank=rank, publish="adapter")
 
 
 @pytest.fixture(scope="module")
@@ -137,12 +156,34 @@ def test_vllm_parses_and_configures_arls_command_line(model_dir: Path, name: str
     assert resolved["logprobs_mode"] == "processed_logprobs"  # temperature-scaled, like SGLang's default
     assert resolved["max_logprobs"] >= 20  # arl's top_logprobs_num goes up to 20
     assert resolved["worker_extension_cls"] == WORKER_EXTENSION
+    assert resolved["lora"] is None  # no LoRA flags unless the run publishes adapters
     assert "vllm.v1.worker.gpu_worker.Worker" in answer["extension_checked_against"]
     assert answer["args"]["return_tokens_as_token_ids"] is True
     assert answer["args"]["served_model_name"] == [SERVED]
     assert answer["args"]["dtype"] == config.model.dtype
     if answer["platform"] == "cpu" and config.model.dtype != "float16":  # the CPU platform may change fp16
         assert resolved["dtype"] == config.model.dtype
+
+
+@pytest.mark.parametrize("rank", [4, 100])
+def test_vllm_takes_arls_lora_flags(model_dir: Path, rank: int) -> None:
+    """A run that publishes adapters: vLLM resolves arl's LoRA flags to the rank (rounded up to one vLLM takes, from
+    vLLM's own list) and two adapters in a batch."""
+    answer = judge("parse-args", vllm_spec(model_dir, "model.dtype=float32", lora=adapter_run(rank)))
+    assert answer["ok"], f"vLLM {answer['version']} refused arl's LoRA flags at {answer['stage']}: {answer['error']}"
+    lora = answer["config"]["lora"]
+    assert lora["allowed_ranks"] == list(VLLM_LORA_RANKS)
+    assert lora["max_lora_rank"] == vllm_lora_rank(rank) >= rank
+    assert (lora["max_loras"], lora["max_cpu_loras"]) == (LORA_ADAPTERS, LORA_ADAPTERS)
+    assert lora["dtype"] == "float32"  # the adapters run in the model's dtype (PEFT's fp32 on CPU)
+
+
+def test_vllm_refuses_a_lora_rank_it_does_not_list(model_dir: Path) -> None:
+    """Why arl rounds the rank up: vLLM's parser takes only the ranks it lists."""
+    answer = judge("parse-args", vllm_spec(model_dir, "inference.extra_args=[--enable-lora,--max-lora-rank=12]"))
+    assert not answer["ok"] and answer["stage"] == "parse" and "12" in answer["error"], answer
+    with pytest.raises(ValueError, match="largest --max-lora-rank 512"):
+        vllm_lora_rank(513)
 
 
 def test_vllm_refuses_a_flag_it_does_not_know(model_dir: Path) -> None:
@@ -170,9 +211,10 @@ def adapter_calls() -> set[tuple[str, str]]:
 def test_every_route_the_adapter_calls_is_in_vllms_route_table(model_dir: Path) -> None:
     calls = adapter_calls()
     assert calls == {("POST", "/v1/completions"), ("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache"),
-                     ("GET", "/health"), ("POST", "/pause"), ("POST", "/resume"), ("POST", "/abort_requests")}, (
+                     ("GET", "/health"), ("POST", "/pause"), ("POST", "/resume"), ("POST", "/abort_requests"),
+                     ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter")}, (
         "the adapter calls a new vLLM route: judge it here")  # fmt: skip
-    spec = vllm_spec(model_dir)
+    spec = vllm_spec(model_dir, lora=adapter_run(8))
     table = judge("routes", spec)
     served = {(method, route["path"]) for route in table["routes"] for method in route["methods"]}
     missing = sorted(calls - served)
@@ -183,6 +225,10 @@ def test_every_route_the_adapter_calls_is_in_vllms_route_table(model_dir: Path) 
     without = judge("routes", ProcSpec(spec.argv, {k: v for k, v in spec.env.items() if k != "VLLM_SERVER_DEV_MODE"}))
     dev_only = {"/collective_rpc", "/pause", "/resume", "/abort_requests"}
     assert not dev_only & {route["path"] for route in without["routes"]}
+    # The LoRA routes exist only with VLLM_ALLOW_RUNTIME_LORA_UPDATING, which arl sets for a run publishing adapters.
+    assert spec.env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING") == "True"
+    merged = judge("routes", vllm_spec(model_dir))
+    assert not {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} & {route["path"] for route in merged["routes"]}
 
 
 # -- request bodies -----------------------------------------------------------------------------------

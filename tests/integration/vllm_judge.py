@@ -46,7 +46,7 @@ from typing import Any
 
 _REPORTED_ARGS = ("model", "tokenizer", "served_model_name", "host", "port", "tensor_parallel_size",
                   "gpu_memory_utilization", "dtype", "max_model_len", "max_num_seqs", "return_tokens_as_token_ids",
-                  "logprobs_mode", "worker_extension_cls", "enforce_eager")  # fmt: skip
+                  "logprobs_mode", "worker_extension_cls", "enforce_eager", "enable_lora")  # fmt: skip
 _REPORTED_SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
                       "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "include_stop_str_in_output",
                       "skip_special_tokens", "spaces_between_special_tokens", "presence_penalty",
@@ -122,12 +122,30 @@ def parse_args(vllm_argv: list[str]) -> dict[str, Any]:
         "logprobs_mode": str(config.model_config.logprobs_mode),
         "max_logprobs": config.model_config.max_logprobs,
         "worker_extension_cls": config.parallel_config.worker_extension_cls,
+        "lora": _lora_config(config.lora_config),
     }
     try:
         out["extension_checked_against"] = check_worker_extension(config)
     except Exception as exc:
         return {**out, "ok": False, "stage": "worker_extension", "error": f"{type(exc).__name__}: {exc}"}
     return {**out, "ok": True}
+
+
+def _lora_config(lora: Any) -> dict[str, Any] | None:
+    """The LoRA config vLLM resolved (None: LoRA off), and the `--max-lora-rank` values its config type allows."""
+    if lora is None:
+        return None
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    return {
+        "max_lora_rank": lora.max_lora_rank,
+        "max_loras": lora.max_loras,
+        "max_cpu_loras": lora.max_cpu_loras,
+        "dtype": str(lora.lora_dtype).removeprefix("torch."),
+        "allowed_ranks": list(get_args(MaxLoRARanks)),
+    }
 
 
 class _Constructed(Exception):

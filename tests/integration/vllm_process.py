@@ -16,6 +16,7 @@ import httpx
 from pipeline.config import load_config
 from pipeline.engine.net import free_port
 from pipeline.engine.server.procs import ProcSpec, vllm_procs, vllm_venv_python
+from schemas.config import ArlConfig, LoraConfig
 
 
 @dataclass(frozen=True)
@@ -27,14 +28,19 @@ class VLLMServer:
 
 
 @contextlib.contextmanager
-def vllm_server(model_dir: Path, logs: Path, *overrides: str, max_context: int = 512) -> Iterator[VLLMServer]:
+def vllm_server(
+    model_dir: Path, logs: Path, *overrides: str, max_context: int = 512, lora: LoraConfig | None = None
+) -> Iterator[VLLMServer]:
     """Start vLLM and the adapter, wait until both are healthy, yield their URLs; stop them (by pid) after.
 
-    `--enforce-eager`: torch.compile's warm-up takes minutes on a busy CPU. `overrides` are arl config ones."""
+    `--enforce-eager`: torch.compile's warm-up takes minutes on a busy CPU. `overrides` are arl config ones;
+    `lora`: the run's `trainer.lora` (with `publish: adapter`, vLLM starts with its LoRA flags)."""
     port = free_port()
     config = load_config(None, [f"model.path={model_dir}", "inference.backend=vllm", f"model.max_context={max_context}",
                                 f"inference.python={vllm_venv_python()}", "inference.max_batch_size=16",
                                 "inference.extra_args=[--enforce-eager]", *overrides])  # fmt: skip
+    if lora is not None:
+        with_lora(config, lora)
     specs = vllm_procs(config, host="127.0.0.1", port=port, model_path=str(model_dir), version=0)
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -49,6 +55,13 @@ def vllm_server(model_dir: Path, logs: Path, *overrides: str, max_context: int =
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def with_lora(config: ArlConfig, lora: LoraConfig) -> ArlConfig:
+    """`config` with `trainer.lora` set to `lora`, as given: not validated again, so a `LoraConfig` built with
+    `model_construct` (`publish: adapter` while the schema refuses it) stays as it is."""
+    object.__setattr__(config.trainer, "lora", lora)
+    return config
 
 
 def _start(spec: ProcSpec, url: str, log: Path) -> subprocess.Popen[bytes]:

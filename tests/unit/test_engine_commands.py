@@ -77,3 +77,29 @@ def test_vllm_server_and_adapter_commands():
     assert flag(adapter.argv, "--port") == "30002" and flag(adapter.argv, "--host") == "0.0.0.0"
     assert flag(adapter.argv, "--upstream") == server.health_url == f"http://127.0.0.1:{flag(argv, '--port')}"
     assert flag(adapter.argv, "--weight-version") == "7" and flag(adapter.argv, "--tp-size") == "2"
+
+
+def _publishing_adapters(backend: str, rank: int, targets: object = "all-linear") -> list[object]:
+    from schemas.config import LoraConfig
+
+    config = load_config(None, [f"inference.backend={backend}", "inference.extra_args=[--x]"])
+    lora = LoraConfig.model_construct(rank=rank, target_modules=targets, publish="adapter")
+    object.__setattr__(config.trainer, "lora", lora)  # past validation (the schema may refuse `adapter`)
+    return server_procs(config, host="127.0.0.1", port=30001, model_path="/m", version=0)
+
+
+def test_lora_flags_only_when_the_run_publishes_adapters():
+    """vLLM: rank rounded up to one it accepts, 2 adapters a batch, runtime loading on; SGLang: rank, targets, and
+    3 slots (the base takes one). Without `publish: adapter` neither gets a LoRA flag. (The engines' own parsers
+    judge these in test_vllm_contract.py / test_sglang_contract.py.)"""
+    vllm, _adapter = _publishing_adapters("vllm", 12)
+    assert vllm.argv[-6:] == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--x"]  # extra args last
+    assert vllm.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    (sglang,) = _publishing_adapters("sglang", 12, ["q_proj", "v_proj"])
+    assert sglang.argv[-11:] == ["--enable-lora", "--max-lora-rank", "12", "--lora-target-modules", "q_proj", "v_proj",
+                                 "--max-loras-per-batch", "3", "--max-loaded-loras", "3", "--x"]  # fmt: skip
+    (sglang,) = _publishing_adapters("sglang", 16)
+    assert flag(sglang.argv, "--lora-target-modules") == "all"
+    plain = load_config(None, ["inference.backend=vllm"])
+    vllm, _adapter = server_procs(plain, host="127.0.0.1", port=30001, model_path="/m", version=0)
+    assert "--enable-lora" not in vllm.argv and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in vllm.env

@@ -9,6 +9,10 @@
 
 `inference.extra_args` go last on the engine's command line (vLLM's, not the adapter's), so they can
 override any flag set here.
+
+A run that publishes LoRA adapters (`trainer.lora.publish: adapter`) starts vLLM and SGLang with their LoRA
+flags (`lora_flags`): adapters loaded at run time by `/load_lora_adapter`, up to `trainer.lora.rank`, and room
+for `LORA_ADAPTERS` of them at once (the current version and the previous one, whose requests may still run).
 """
 
 from __future__ import annotations
@@ -19,11 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.engine.net import free_port
-from schemas.config import ArlConfig
+from schemas.config import ArlConfig, LoraConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 WORKER_EXTENSION = "pipeline.engine.server.vllm_worker_ext.ArlWorkerExtension"
 DEFAULT_CPU_KV_CACHE_GB = "2"  # vLLM's CPU default reserves far more; set VLLM_CPU_KVCACHE_SPACE to change
+LORA_ADAPTERS = 2
+"""Adapters a server holds at once in a run that publishes them: the current version and the previous one."""
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM's `--max-lora-rank` accepts (`vllm.config.lora.MaxLoRARanks`)."""
 
 
 @dataclass
@@ -75,7 +83,8 @@ def sglang_command(config: ArlConfig, host: str, port: int, model_path: str, ver
             "--tokenizer-path", config.model.tokenizer or model_path, "--host", host, "--port", str(port),
             "--tp-size", str(inf.tp_size), "--mem-fraction-static", str(inf.mem_fraction),
             "--dtype", sglang_dtype(config.model.dtype), "--weight-version", str(version),
-            "--context-length", str(config.model.max_context), *inf.extra_args]  # fmt: skip
+            "--context-length", str(config.model.max_context), *lora_flags(config, "sglang"),
+            *inf.extra_args]  # fmt: skip
 
 
 def sglang_dtype(dtype: str) -> str:
@@ -90,7 +99,7 @@ def vllm_procs(config: ArlConfig, *, host: str, port: int, model_path: str, vers
     tokenizer = config.model.tokenizer or model_path
     server = ProcSpec(
         vllm_command(config, model_path=model_path, tokenizer=tokenizer, port=internal),
-        env=_vllm_env(),
+        env=_vllm_env(config),
         log_suffix="vllm",
         health_url=upstream,
     )
@@ -118,11 +127,47 @@ def vllm_command(config: ArlConfig, *, model_path: str, tokenizer: str, port: in
             "--gpu-memory-utilization", str(inf.mem_fraction), "--dtype", config.model.dtype,
             "--max-model-len", str(config.model.max_context), "--max-num-seqs", str(inf.max_batch_size),
             "--return-tokens-as-token-ids", "--logprobs-mode", "processed_logprobs",
-            "--worker-extension-cls", WORKER_EXTENSION, *inf.extra_args]  # fmt: skip
+            "--worker-extension-cls", WORKER_EXTENSION, *lora_flags(config, "vllm"), *inf.extra_args]  # fmt: skip
 
 
-def _vllm_env() -> dict[str, str]:
+def published_adapter(config: ArlConfig) -> LoraConfig | None:
+    """`trainer.lora` when the run publishes LoRA adapters to the servers (`publish: adapter`), else None."""
+    lora = config.trainer.lora
+    return lora if lora is not None and lora.publish == "adapter" else None
+
+
+def lora_flags(config: ArlConfig, backend: str) -> list[str]:
+    """The engine's LoRA flags in a run that publishes adapters (none otherwise).
+
+    * vLLM: `--max-loras` adapters in a batch (the base model takes no slot), `--max-lora-rank` rounded up to a
+      value vLLM accepts; loading at run time also needs `VLLM_ALLOW_RUNTIME_LORA_UPDATING` (`_vllm_env`).
+    * SGLang: the base model takes one of `--max-loras-per-batch`'s slots, and SGLang requires
+      `--max-loaded-loras` >= it; without adapters at start it needs `--max-lora-rank` and `--lora-target-modules`
+      (`all`, resolved from the model, for PEFT's `all-linear`).
+    """
+    lora = published_adapter(config)
+    if lora is None:
+        return []
+    if backend == "vllm":
+        return ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(lora.rank)), "--max-loras", str(LORA_ADAPTERS)]
+    targets = ["all"] if lora.target_modules == "all-linear" else list(lora.target_modules)
+    slots = str(LORA_ADAPTERS + 1)
+    return ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *targets,
+            "--max-loras-per-batch", slots, "--max-loaded-loras", slots]  # fmt: skip
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM accepts that holds `rank`."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"trainer.lora.rank={rank} is above vLLM's largest --max-lora-rank {VLLM_LORA_RANKS[-1]}")
+
+
+def _vllm_env(config: ArlConfig) -> dict[str, str]:
     env = {"VLLM_SERVER_DEV_MODE": "1", **_pythonpath()}
+    if published_adapter(config) is not None:  # vLLM serves /v1/load_lora_adapter only with it
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KV_CACHE_GB))
     return env
 

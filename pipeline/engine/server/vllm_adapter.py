@@ -25,7 +25,13 @@ commands into vLLM calls:
 * input logprobs (`logprob_start_len` >= 0) are vLLM's prompt logprobs (see `vllm_wire.py`); vLLM
   does not stream them, so such a request is answered by one non-streamed call, and a stream gets
   one event with everything; its tokens carry the version current when it was sent;
-* `/get_weights_by_name` reads the parameter from the vLLM worker (`arl_weights_by_name`).
+* `/get_weights_by_name` reads the parameter from the vLLM worker (`arl_weights_by_name`);
+* LoRA adapters (`trainer.lora.publish: adapter`, `vllm_lora.py`): `/load_lora_adapter` and
+  `/unload_lora_adapter` become vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`; a request naming
+  one (`lora_path`) goes to vLLM as `model: <name>`, and its tokens are labelled with the adapter's version
+  (`lora_adapter_version` of its name), the weights that sampled them whatever the server's label says since.
+  `/update_weight_version` sets the server's label (`weight_version`), as SGLang's does: nothing is loaded,
+  and with `abort_all_requests` the requests in flight are aborted first.
 
 Run: `python -m pipeline.engine.server.vllm_adapter --upstream URL --port N --model-path DIR` (see `procs.py`).
 """
@@ -45,10 +51,20 @@ from pipeline.engine.server.app import build_app
 from pipeline.engine.server.backend import Check, Progress, model_info_body
 from pipeline.engine.server.requests import Limits, PromptLogprobs, RequestError, WorkItem, stop_token_ids
 from pipeline.engine.server.serve import config_from_args, serve, server_parser
+from pipeline.engine.server.vllm_checkpoint import checkpoint_eos_ids, checkpoint_shapes
 from pipeline.engine.server.vllm_gate import DRAIN_TIMEOUT_S, Gate
+from pipeline.engine.server.vllm_lora import LoraAdapters
 from pipeline.engine.server.vllm_wire import choice_tokens, choice_top, completion_body, finish_reason, prompt_scores
-from pipeline.engine.server.weights import eos_token_ids, load_tokenizer
-from schemas.engine_api import VERIFY_RID_PREFIX, InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput
+from pipeline.engine.server.weights import load_tokenizer
+from schemas.engine_api import (
+    VERIFY_RID_PREFIX,
+    InitWeightsUpdateGroupReqInput,
+    LoadLoRAAdapterReqInput,
+    UnloadLoRAAdapterReqInput,
+    UpdateWeightsFromDistributedReqInput,
+    UpdateWeightVersionReqInput,
+    lora_adapter_version,
+)
 
 
 @dataclass
@@ -75,16 +91,15 @@ class VLLMAdapter:
         self.config = config
         self.model_path = config.model_path
         self.tokenizer = load_tokenizer(config.tokenizer_path or config.model_path)
-        self.checkpoint_shapes = _checkpoint_shapes(Path(config.model_path))
+        self.checkpoint_shapes = checkpoint_shapes(Path(config.model_path))
         hf_config = json.loads((Path(config.model_path) / "config.json").read_text())
         self.limits = Limits(int(hf_config["vocab_size"]), config.max_context)
-        self.eos_ids = eos_token_ids(
-            _ConfigView(hf_config, _generation_config(Path(config.model_path))), self.tokenizer
-        )
+        self.eos_ids = checkpoint_eos_ids(Path(config.model_path), hf_config, self.tokenizer)
         self.requests_total = 0
         self.update_lock = asyncio.Lock()
         self.http = httpx.AsyncClient(base_url=config.upstream, timeout=httpx.Timeout(None, connect=10.0))
         self.gate = Gate(self.http, config.weight_version, config.drain_timeout_s)
+        self.loras = LoraAdapters(self.http, config.drain_timeout_s)
 
     # -- generation -------------------------------------------------------------------------
     @property
@@ -95,20 +110,24 @@ class VLLMAdapter:
         # Streamed from vLLM whether the caller streams or not: each token's version is the one current when
         # it arrives (vllm_gate.py). Prompt logprobs are not streamed by vLLM: one answer (`_scored`).
         scored = item.logprob_start_len >= 0
-        await self.gate.admit(probe=_is_probe(item))
-        if item.max_new_tokens == 0 and not scored:  # vLLM refuses max_tokens=0; SGLang answers with nothing
-            yield self._progress([], [], {"type": "length", "length": 0})
-        elif scored:
-            yield await self._scored(item)
-        else:
-            async for progress in self._stream(item):
-                yield progress
+        self.loras.acquire(item.lora)  # an unload of its adapter waits for it
+        try:
+            await self.gate.admit(probe=_is_probe(item))
+            if item.max_new_tokens == 0 and not scored:  # vLLM refuses max_tokens=0; SGLang answers with nothing
+                yield self._progress([], [], {"type": "length", "length": 0})
+            elif scored:
+                yield await self._scored(item)
+            else:
+                async for progress in self._stream(item):
+                    yield progress
+        finally:
+            self.loras.release(item.lora)
 
     async def _scored(self, item: WorkItem) -> Progress:
         """A request with prompt logprobs: one non-streamed call. Its tokens are labelled with the version
         current when it was sent (a swap under a frozen scored request is not located within it)."""
-        version = self.gate.sampling_version
-        body = completion_body(item, self.config.served_model_name, stream=False, cache_salt=self._salt())
+        version = self._label(item)
+        body = completion_body(item, self._model(item), stream=False, cache_salt=self._salt())
         try:
             resp = await self.gate.upstream(item.rid, self.http.post("/v1/completions", json=body))
         except asyncio.CancelledError:
@@ -131,7 +150,7 @@ class VLLMAdapter:
 
         Every upstream await goes through the gate, so an abort lands even while vLLM holds the request
         frozen (no chunk comes then); closing the upstream stream makes vLLM abort the request."""
-        body = completion_body(item, self.config.served_model_name, stream=True, cache_salt=self._salt())
+        body = completion_body(item, self._model(item), stream=True, cache_salt=self._salt())
         ids: list[int] = []
         stops = stop_token_ids(item.params, self.eos_ids)
         resp: httpx.Response | None = None
@@ -152,9 +171,9 @@ class VLLMAdapter:
                 new_ids, new_lps = choice_tokens(choices[0])
                 ids += new_ids
                 finish = finish_reason(choices[0], ids, stops)
-                version = self.gate.sampling_version
                 top = choice_top(choices[0], item.top_logprobs_num)
-                yield Progress(new_ids, new_lps, version, finish, top, None, [version] * len(new_ids))
+                label = [self._label(item)] * len(new_ids)
+                yield Progress(new_ids, new_lps, self.gate.sampling_version, finish, top, None, label)
         except asyncio.CancelledError:
             if not self.gate.was_aborted(item.rid):
                 raise
@@ -165,6 +184,16 @@ class VLLMAdapter:
                     await resp.aclose()
             finally:
                 self.gate.done(item.rid)
+
+    def _model(self, item: WorkItem) -> str:
+        """vLLM's `model` of a request: its LoRA adapter's name (vLLM serves each loaded one as a model)."""
+        return item.lora or self.config.served_model_name
+
+    def _label(self, item: WorkItem) -> int:
+        """The weight version of the tokens arriving now: an arl adapter's own version (`lora_adapter_name`), which
+        a new version, loaded under another name, never changes under a request; else the served weights'."""
+        adapter = lora_adapter_version(item.lora) if item.lora else None
+        return self.gate.sampling_version if adapter is None else adapter
 
     def _salt(self) -> str:
         """vLLM's prefix-cache salt: blocks computed by one version are never reused under another (vLLM's
@@ -285,6 +314,24 @@ class VLLMAdapter:
             results = await self._rpc("arl_weights_by_name", spec)
         return list(results["results"][0])
 
+    # -- LoRA adapters (vllm_lora.py) -------------------------------------------------------
+    def loaded_adapters(self) -> dict[str, str]:
+        return dict(self.loras.loaded)
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterReqInput) -> dict[str, str]:
+        return await self.loras.load(body)
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterReqInput) -> dict[str, str]:
+        return await self.loras.unload(body)
+
+    async def update_weight_version(self, body: UpdateWeightVersionReqInput, version: int) -> str:
+        """SGLang's relabelling (a LoRA publication, once the new adapter is loaded): nothing is loaded; with
+        `abort_all_requests` the requests in flight are aborted first (vLLM's too)."""
+        if body.abort_all_requests:
+            await self.gate.abort_all()
+        self.gate.set_version(version)
+        return f"weight version updated to {version}"
+
     # -- info -------------------------------------------------------------------------------
     def model_info(self) -> dict[str, Any]:
         tokenizer = self.config.tokenizer_path or self.model_path
@@ -303,6 +350,7 @@ class VLLMAdapter:
             "frozen": self.gate.frozen,
             "scores_while_paused": self.gate.frozen is None,
             "running": len(self.gate.inflight),
+            "lora_adapters": dict(self.loras.loaded),
         }
 
 
@@ -322,34 +370,6 @@ def _upstream_json(resp: httpx.Response) -> Any:
             raise RequestError(f"vLLM refused the request ({resp.status_code}): {message}")
         raise RuntimeError(f"vLLM failed ({resp.status_code}): {message}")
     return resp.json()
-
-
-class _ConfigView:
-    """Just enough of a model for `eos_token_ids` (the adapter never loads the weights)."""
-
-    def __init__(self, hf_config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> None:
-        self.config = type("C", (), {"eos_token_id": hf_config.get("eos_token_id")})()
-        self.generation_config = (
-            type("G", (), {"eos_token_id": generation_config.get("eos_token_id")})() if generation_config else None
-        )
-
-
-def _generation_config(model_dir: Path) -> dict[str, Any] | None:
-    """generation_config.json: its EOS ids end vLLM's completions too (as they do the hf engine's)."""
-    path = model_dir / "generation_config.json"
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _checkpoint_shapes(model_dir: Path) -> dict[str, list[int]]:
-    """Tensor names and shapes of a HF checkpoint (headers only): to vet distributed updates up front."""
-    from safetensors import safe_open
-
-    shapes: dict[str, list[int]] = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                shapes[name] = list(handle.get_slice(name).get_shape())
-    return shapes
 
 
 def main(argv: list[str] | None = None) -> int:
