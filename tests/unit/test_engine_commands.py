@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from pipeline.config import load_config
-from pipeline.engine.server.procs import server_procs
+from pipeline.engine.server.procs import server_procs, vllm_lora_rank
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -100,6 +102,8 @@ def test_lora_flags_only_when_the_run_publishes_adapters():
                                  "--max-loras-per-batch", "3", "--max-loaded-loras", "3", "--x"]  # fmt: skip
     (sglang,) = _publishing_adapters("sglang", 16)
     assert flag(sglang.argv, "--lora-target-modules") == "all"
+    with pytest.raises(ValueError, match="largest --max-lora-rank 512"):
+        vllm_lora_rank(513)
     plain = load_config(None, ["inference.backend=vllm"])
     vllm, _adapter = server_procs(plain, host="127.0.0.1", port=30001, model_path="/m", version=0)
     assert "--enable-lora" not in vllm.argv and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in vllm.env
