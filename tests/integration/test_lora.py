@@ -236,7 +236,11 @@ def test_adapter_publication_serves_each_version_as_its_own_adapter(make_train_r
     assert max_diff(torch.tensor(base_served), base) < 1e-5 and max_diff(base, expected) > 1e-3
 
     # A server (re)started on the checkpoint serves base + adapter, as the inference stage and `arl eval` do.
+    from pipeline.eval.offline import pick_weights
+
     config = StageContext.from_run_dir("train", paths.root).config
+    assert pick_weights(paths, config, 3, None) == (str(paths.checkpoint_dir(3)), 3)  # `arl eval --step 3`
+    assert pick_weights(paths, config, None, paths.checkpoint_dir(3)) == (str(paths.checkpoint_dir(3).resolve()), 3)
     fresh = start_server(paths, config, 0, free_port(), str(paths.weights_dir(3)), 3, 1)
     try:
         assert fresh.adapter == ("arl-lora-v3", str(paths.checkpoint_dir(3).resolve()))
