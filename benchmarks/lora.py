@@ -25,6 +25,11 @@ No targets: the figures size the trade-off (docs/trainer.md, "LoRA"). Ratios com
 configuration with the full-weight one of the same run. The configurations run one after another, so a
 shared machine's load can drift between them: the step-time ratios carry that noise.
 
+* publication (`_lora_publish.py`): one LoRA version (the first rank) published to a real `hf` engine serving
+  the model, by the trainer's `Publisher` with verification, as `publish: adapter` (the adapter checkpoint,
+  `/load_lora_adapter`) and as `publish: merged` (the checkpoint with `merged/`, `/update_weights_from_disk`):
+  checkpoint write seconds, publish seconds (send + verify) and the bytes the server reads.
+
 Sections: `run` fills one results dict, one function per figure group (`measure` in each worker for the
 training-side groups); a new group is one more function whose figures go into that dict and `summarize`.
 
@@ -54,6 +59,7 @@ REPO_ROOT = HERE.parent
 for _path in (HERE, REPO_ROOT):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))  # `train_throughput` beside this file; `pipeline` when run as a script
+from _lora_publish import publication_figures  # noqa: E402
 from train_throughput import QWEN_05B, SMALL  # noqa: E402
 
 FULL = "full"
@@ -255,6 +261,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         args.steps, rank)  # fmt: skip
             print(f"measuring {spec.label}: 1 + {spec.steps} steps of {spec.seqs} x {spec.seq_len} tokens", flush=True)
             results["configs"][spec.label] = run_worker(spec)
+        if args.publish:
+            print(f"publishing one LoRA r{args.ranks[0]} version to an hf engine: adapter, then merged", flush=True)
+            results["publication"] = publication_figures(model_dir, workdir, args.ranks[0])
         return results
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -313,6 +322,19 @@ def summarize(results: dict[str, Any], args: argparse.Namespace) -> dict[str, An
                 c["trainer_state_bytes"] / full["trainer_state_bytes"], 5),
             f"{label} merge / its step time": round(c["merge_s"] / c["step_s"], 3),
         })  # fmt: skip
+    publication = results.get("publication")
+    if publication:
+        figures.update(
+            {f"publication: {k}": round(v, 3) if "bytes" not in k else int(v) for k, v in publication.items()}
+        )
+        ratios["adapter / merged publication time (write + publish)"] = round(
+            (publication["adapter checkpoint write s"] + publication["adapter publish s"])
+            / (publication["merged checkpoint write s"] + publication["merged publish s"]),
+            3,
+        )
+        ratios["adapter / merged bytes the server reads"] = round(
+            publication["adapter bytes sent"] / publication["merged bytes sent"], 5
+        )
     model = "a ~10M model (--small)" if args.small else "the ~0.5B random model (Qwen2.5-0.5B shapes, fp32)"
     reference = (f"full-weight training of {model} on CPU, same batch, same run, each configuration in its own "
                  "process; checkpoints: the full-weight checkpoint (checkpoint.save_checkpoint)")  # fmt: skip
@@ -334,6 +356,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps after one warm-up step")
     parser.add_argument("--ranks", type=int, nargs="*", default=[16, 64], help="LoRA ranks (alpha = 2 x rank)")
     parser.add_argument("--small", action="store_true", help="a ~10M model of the same architecture (quick check)")
+    parser.add_argument(
+        "--no-publish",
+        dest="publish",
+        action="store_false",
+        help="skip the publication group (one version to an hf engine, adapter vs merged)",
+    )
     parser.add_argument("--dir", type=Path, default=None, help="work dir (default: a temp dir, removed after)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # one configuration, in a fresh process
     args = parser.parse_args()
