@@ -22,7 +22,10 @@ EXAMPLES = int(os.environ.get("ARL_FUZZ_EXAMPLES", str(80 * int(os.environ.get("
 TIMEOUT_S = 60.0
 ADMIN_PATHS = {"/abort_request", "/pause_generation", "/continue_generation", "/update_weights_from_disk",
                "/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update",
-               "/update_weights_from_distributed", "/end_weight_update", "/get_weights_by_name"}  # fmt: skip
+               "/update_weights_from_distributed", "/end_weight_update", "/get_weights_by_name",
+               "/update_weight_version"}  # fmt: skip
+LORA_PATHS = {"/load_lora_adapter", "/unload_lora_adapter"}
+"""SGLang's LoRA routes refuse with its `LoRAUpdateOutput`: `success` false and an `error_message`."""
 
 
 def narrowed(document: dict[str, Any]) -> dict[str, Any]:
@@ -79,6 +82,8 @@ def check(case: Any, response: Any, path: str) -> None:
         body = response.json()
         if path in ADMIN_PATHS:
             assert body.get("success") is False and body.get("message"), f"{path}: {response.text[:300]}"
+        elif path in LORA_PATHS:
+            assert body.get("success") is False and body.get("error_message"), f"{path}: {response.text[:300]}"
         else:
             error = body.get("error")
             assert isinstance(error, dict) and error.get("message"), f"{path}: {response.text[:300]}"
