@@ -265,6 +265,8 @@ class StandInScheduler:
         self.chunked_req = None
         self.hisparse_coordinator = None
         self.paused: str | None = None
+        self.lora_names: dict[str, str] = {}  # lora_id -> name of the loaded LoRA adapters
+        self.lora_paths: dict[str, str] = {}  # lora_id -> path
 
     def init_info(self) -> dict[str, Any]:
         """What a scheduler reports to the launcher when ready (`Scheduler.get_init_info`)."""
@@ -316,9 +318,11 @@ class StandInScheduler:
             io.UpdateWeightsFromDistributedReqInput: self.weight_updater.update_weights_from_distributed,
             io.UpdateWeightVersionReqInput: self.update_weight_version,
             io.GetWeightsByNameReqInput: self.weight_updater.get_weights_by_name,
+            io.LoadLoRAAdapterReqInput: self.load_lora_adapter,
+            io.UnloadLoRAAdapterReqInput: self.unload_lora_adapter,
         }
         handler = handlers.get(type(request))
-        if handler is None:  # requests arl never sends (profiling, LoRA, sessions, ...): no answer comes
+        if handler is None:  # requests arl never sends (profiling, sessions, ...): no answer comes
             print(f"stand-in scheduler: no handler for {type(request).__name__}", file=sys.stderr, flush=True)
             return
         output = handler(request)
@@ -341,7 +345,8 @@ class StandInScheduler:
                   return_logprob=recv.return_logprob, top_logprobs_num=recv.top_logprobs_num,
                   token_ids_logprob=recv.token_ids_logprob, stream=recv.stream,
                   eos_token_ids=self.model_config.hf_eos_token_id, vocab_size=self.model_config.vocab_size,
-                  http_worker_ipc=recv.http_worker_ipc, time_stats=recv.time_stats)  # fmt: skip
+                  http_worker_ipc=recv.http_worker_ipc, time_stats=recv.time_stats,
+                  lora_id=recv.lora_id)  # fmt: skip
         req.tokenizer = self.tokenizer
         # `Scheduler._handle_generate_request`'s rule: without a start, a request asking for logprobs gets its
         # output tokens' only (the prompt's start where the prompt ends)
@@ -393,7 +398,7 @@ class StandInScheduler:
         logprob = -0.25 - 0.01 * position
         if req.is_prefill_only:
             ids = list(req.origin_input_ids)
-            token, logprob = 0, float(self.model.prompt_logprobs(ids, len(ids) - 1, 1)[0, 0])
+            token, logprob = 0, float(self.model.prompt_logprobs(ids, len(ids) - 1, 1, req.lora_id)[0, 0])
         req.output_ids.append(token)
         if req.return_logprob and position == 0:
             self.prefill_logprobs(req, token, logprob, candidates)
@@ -425,7 +430,7 @@ class StandInScheduler:
         input_logprobs, top_val, top_idx = None, None, None
         if count > 0:
             logprob_ids = [*ids[start + 1 : n + 1], 0][:count]
-            rows = self.model.prompt_logprobs(ids, start, count)
+            rows = self.model.prompt_logprobs(ids, start, count, req.lora_id)
             logprob_ids = [min(max(i, 0), rows.shape[1] - 1) for i in logprob_ids]
             input_logprobs = tuple(rows.gather(1, torch.tensor(logprob_ids).unsqueeze(1)).squeeze(1).tolist())
             if k > 0:
@@ -486,6 +491,39 @@ class StandInScheduler:
         state = msgspec_to_builtins({k: _jsonable(v) for k, v in vars(self.server_args).items()})
         state.update({"last_gen_throughput": 0.0, "memory_usage": {}})
         return GetInternalStateReqOutput(internal_state=state)
+
+    # -- LoRA adapters (SGLang's `LoRAManager` answers, its `LoRAConfig` reading the adapter) -------
+    def load_lora_adapter(self, recv: Any) -> Any:
+        """What SGLang's `LoRAManager._load_lora_adapter` checks and answers; the stand-in model serves the
+        adapter's requests (`lora_id`, which SGLang's tokenizer manager resolves from the request's name)."""
+        from sglang.srt.lora.lora_config import LoRAConfig
+
+        try:
+            config = LoRAConfig(recv.lora_path, base_vocab_size=self.model_config.vocab_size)
+            if recv.lora_name in self.lora_names.values():
+                raise ValueError(f"Failed to load LoRA adapter {recv.lora_name} because it is already loaded")
+            rank = config.hf_config["r"]
+            if rank > (self.server_args.max_lora_rank or 0):
+                raise ValueError(f"LoRA adapter {recv.lora_name} has rank {rank} > --max-lora-rank")
+            self.model.add_adapter(recv.lora_id, recv.lora_path, config.hf_config)
+        except Exception as e:
+            return self.lora_result(False, str(e))
+        self.lora_names[recv.lora_id] = recv.lora_name
+        self.lora_paths[recv.lora_id] = recv.lora_path
+        return self.lora_result(True)
+
+    def unload_lora_adapter(self, recv: Any) -> Any:
+        self.lora_names.pop(recv.lora_id, None)
+        self.lora_paths.pop(recv.lora_id, None)
+        self.model.adapters.pop(recv.lora_id, None)
+        return self.lora_result(True)
+
+    def lora_result(self, success: bool, error: str = "") -> Any:
+        """`LoRAManager.create_lora_update_result`: name -> path of every loaded adapter."""
+        from sglang.srt.managers.io_struct import LoRAUpdateOutput
+
+        loaded = {self.lora_names[i]: self.lora_paths[i] for i in self.lora_names}
+        return LoRAUpdateOutput(success=success, error_message=error, loaded_adapters=loaded)
 
     # -- weight versions (SGLang's own scheduler methods, run on this object) ----------------------
     def update_weight_version(self, recv: Any) -> Any:

@@ -47,14 +47,18 @@ class StandInModel(torch.nn.Module):
             # SGLang's model parameters never require grad (its `get_weights_by_name` calls `.numpy()` on them)
             self.hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval().requires_grad_(False)
         self.corruption: tuple[str, str, float] | None = None  # (version, parameter, delta), see `corrupt`
+        self.adapters: dict[str, Any] = {}
+        """lora_id -> the model with that LoRA adapter merged in (SGLang applies it in its kernels)."""
 
     @torch.no_grad()
-    def prompt_logprobs(self, input_ids: list[int], start: int, count: int) -> torch.Tensor:
-        """[count, vocab] float32: row k is log p(. | input_ids[: start + k + 1]); made up (uniform) without a model."""
+    def prompt_logprobs(self, input_ids: list[int], start: int, count: int, lora_id: str | None = None) -> torch.Tensor:
+        """[count, vocab] float32: row k is log p(. | input_ids[: start + k + 1]), from the model with LoRA adapter
+        `lora_id` (None: the base); made up (uniform) without a model."""
         if self.hf is None:
             vocab = 1 + max(input_ids)
             return torch.full((count, vocab), -float(torch.log(torch.tensor(float(vocab)))))
-        logits = self.hf(torch.tensor([input_ids])).logits[0, start : start + count]
+        model = self.hf if lora_id is None else self.adapters[lora_id]
+        logits = model(torch.tensor([input_ids])).logits[0, start : start + count]
         return torch.log_softmax(logits.float(), dim=-1)
 
     @torch.no_grad()
@@ -72,6 +76,25 @@ class StandInModel(torch.nn.Module):
                 if own[name].shape != tensor.shape:
                     raise ValueError(f"{name}: the model holds {list(own[name].shape)}, got {list(tensor.shape)}")
                 own[name].copy_(tensor)
+
+    @torch.no_grad()
+    def add_adapter(self, lora_id: str, path: str, config: dict[str, Any]) -> None:
+        """A copy of the model with the PEFT adapter at `path` merged in: W + lora_alpha / r * B @ A per layer."""
+        import copy
+
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(Path(path) / "adapter_model.safetensors"))
+        model = copy.deepcopy(self.hf)
+        own = dict(model.named_parameters())
+        scale = float(config["lora_alpha"]) / float(config["r"])
+        for key, a in tensors.items():
+            if key.endswith(".lora_A.weight"):
+                module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                b = tensors[key.replace(".lora_A.", ".lora_B.")]
+                weight = own[f"{module}.weight"]
+                weight.add_((scale * (b.float() @ a.float())).to(weight.dtype))
+        self.adapters[lora_id] = model
 
     @torch.no_grad()
     def corrupt_at(self, version: str | None) -> None:

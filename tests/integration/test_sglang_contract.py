@@ -143,9 +143,11 @@ def launch_argv(config: Any, port: int, model_dir: Path, version: int) -> list[s
     return argv[3:]
 
 
-def start_judge(model_dir: Path, workdir: Path, version: int = 3, options: Sequence[str] = ()) -> Judge:
+def start_judge(model_dir: Path, workdir: Path, version: int = 3, options: Sequence[str] = (),
+                overrides: Sequence[str] = ()) -> Judge:  # fmt: skip
     port = free_port("127.0.0.1")
-    return Judge(launch_argv(arl_sglang_config(model_dir), port, model_dir, version), port, workdir, options)
+    config = arl_sglang_config(model_dir, *overrides)
+    return Judge(launch_argv(config, port, model_dir, version), port, workdir, options)
 
 
 @pytest.fixture(scope="module")
@@ -160,8 +162,10 @@ def judge(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 @pytest.fixture(scope="module")
 def publish_judge(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Judge]:
     """A judge of its own for the publisher's tests (each publishes the version after the one it serves): the
-    module's `judge` keeps the weights and version the other tests expect, and one start (~45 s) serves all."""
-    server = start_judge(tiny_model_dir, tmp_path_factory.mktemp("sglang_publish_judge"))
+    module's `judge` keeps the weights and version the other tests expect, and one start (~45 s) serves all.
+    Started as for a run that publishes LoRA adapters (arl's LoRA flags), which full-weight publication ignores."""
+    server = start_judge(tiny_model_dir, tmp_path_factory.mktemp("sglang_publish_judge"),
+                         overrides=("trainer.lora.rank=8", "trainer.lora.publish=adapter"))  # fmt: skip
     try:
         yield server
     finally:
@@ -679,3 +683,49 @@ def test_publisher_update_modes_on_sglang(tiny_model_dir: Path, tmp_path: Path, 
     finally:
         if publisher is not None:
             publisher.close()
+
+
+def test_adapter_publisher_follows_sglangs_lora_protocol(tiny_model_dir: Path, tmp_path: Path,
+                                                         publish_judge: Judge) -> None:  # fmt: skip
+    """`trainer.lora.publish: adapter` against SGLang's own tokenizer manager (its LoRA registry resolves each
+    request's adapter name to the id the scheduler serves): three versions, each loaded under its own name,
+    relabelled, and verified by a probe SGLang routes to that adapter; the adapter two versions back unloaded."""
+    from test_engine_lora import make_adapter  # tests/integration is on sys.path
+
+    from pipeline.engine.registry import write_entry
+    from pipeline.paths import RunPaths
+    from pipeline.trainer import publish
+    from pipeline.trainer.adapter_publish import merged_from_dirs
+    from schemas.engine_api import InferenceEntry, lora_adapter_name
+
+    judge = publish_judge
+    first = int(judge.model_info()["weight_version"]) + 1
+    paths = RunPaths.from_config(str(tmp_path), "contract", "adapters")
+    write_entry(paths, "judge", InferenceEntry(url=judge.url, backend="sglang", model_path=str(tiny_model_dir),
+                                               weight_version=first - 1, host="127.0.0.1", pid=judge.proc.pid,
+                                               started_at=time.time(), tp_size=1))  # fmt: skip
+    options = publish.PublishOptions(verify_model=tiny_model_dir, adapter=True)
+    publisher = publish.make_publisher("disk", paths, timeout_s=30, tied_embeddings=True, options=options)
+    mark = judge.mark()
+    try:
+        for version in range(first, first + 3):
+            adapter = make_adapter(tiny_model_dir, paths.checkpoint_dir(version), seed=version, rank=4)
+            report = publisher.publish(version, adapter, merged_from_dirs(adapter, tiny_model_dir))
+            assert report.servers == [judge.url], report.reasons  # the probe on the adapter matched the trainer's
+            assert judge.model_info()["weight_version"] == str(version)
+    finally:
+        publisher.close()
+    judge.settle()
+    loads = judge.records(mark, "LoadLoRAAdapterReqInput")
+    assert [r["lora_name"] for r in loads] == [lora_adapter_name(v) for v in range(first, first + 3)]
+    assert [r["lora_path"] for r in loads] == [str(paths.checkpoint_dir(v).resolve()) for v in range(first, first + 3)]
+    relabels = judge.records(mark, "UpdateWeightVersionReqInput")
+    assert [(r["new_version"], r["abort_all_requests"]) for r in relabels] == [
+        (str(v), False) for v in range(first, first + 3)]  # fmt: skip
+    probes = [r for r in judge.records(mark, "TokenizedGenerateReqInput") if r.get("lora_id")]
+    assert [p["lora_id"] for p in probes] == [r["lora_id"] for r in loads]  # each probe on its version's adapter
+    assert not judge.records(mark, "PauseGenerationReqInput")  # nothing paused: no request's adapter changes
+    deadline = time.monotonic() + 30  # the unload of the first version is started, not awaited
+    while [r["lora_name"] for r in judge.records(mark, "UnloadLoRAAdapterReqInput")] != [lora_adapter_name(first)]:
+        assert time.monotonic() < deadline, judge.records(mark, "UnloadLoRAAdapterReqInput")
+        time.sleep(0.2)
