@@ -132,33 +132,39 @@ def test_an_adapter_of_another_model_is_refused(server: Any, tmp_path: Path) -> 
         assert scored(client, None) == before and client.get("/server_info").json()["lora_adapters"] == {}
 
 
-def test_unload_waits_for_the_requests_the_adapter_serves(server: Any, tiny_model_dir: Path, tmp_path: Path) -> None:
-    adapter = make_adapter(tiny_model_dir, tmp_path / "a", seed=5)
+def unload_during_a_request(url: str, adapter: Path, tokens: int) -> tuple[list[str], httpx.Response, httpx.Response]:
+    """Start a streamed request on adapter `busy`, unload `busy` once it streams, ask for `busy` again: the order in
+    which the generation and the unload ended, the unload's answer, the new request's answer."""
     order: list[str] = []
 
-    async def call(client: httpx.AsyncClient, what: str, path: str, body: dict[str, Any]) -> httpx.Response:
-        answer = await client.post(path, json=body)
-        order.append(what)
+    async def unload(client: httpx.AsyncClient) -> httpx.Response:
+        answer = await client.post("/unload_lora_adapter", json={"lora_name": "busy"})
+        order.append("unload")
         return answer
 
     async def go() -> tuple[httpx.Response, httpx.Response]:
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
             await client.post("/load_lora_adapter", json={"lora_name": "busy", "lora_path": str(adapter)})
             long = {"input_ids": PROMPT, "lora_path": "busy", "stream": True,
-                    "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}  # fmt: skip
+                    "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True}}  # fmt: skip
             async with client.stream("POST", "/generate", json=long) as stream:
                 lines = stream.aiter_lines()
                 while not (await anext(lines)).startswith("data:"):  # the request runs on the adapter now
                     pass
-                unload = asyncio.create_task(call(client, "unload", "/unload_lora_adapter", {"lora_name": "busy"}))
+                unloading = asyncio.create_task(unload(client))
                 await asyncio.sleep(0.2)
                 refused = await client.post("/generate", json={"input_ids": PROMPT, "lora_path": "busy"})
                 async for _ in lines:
                     pass
                 order.append("generation")
-            return await unload, refused
+            return await unloading, refused
 
     unloaded, refused = asyncio.run(go())
+    return order, unloaded, refused
+
+
+def test_unload_waits_for_the_requests_the_adapter_serves(server: Any, tiny_model_dir: Path, tmp_path: Path) -> None:
+    order, unloaded, refused = unload_during_a_request(server.url, make_adapter(tiny_model_dir, tmp_path / "a", 5), 300)
     assert order == ["generation", "unload"]  # the adapter served its request to the end
     assert unloaded.status_code == 200 and unloaded.json()["loaded_adapters"] == {}
     assert refused.status_code == 400 and "not loaded" in refused.text  # no new request once unloading

@@ -20,7 +20,14 @@ from typing import Any
 
 import httpx
 import pytest
-from test_engine_lora import PROMPT, make_adapter, peft_prompt_logprobs, scored, worst  # tests/integration: sys.path
+from test_engine_lora import (  # tests/integration: sys.path
+    PROMPT,
+    make_adapter,
+    peft_prompt_logprobs,
+    scored,
+    unload_during_a_request,
+    worst,
+)
 from vllm_process import vllm_server
 
 from pipeline.engine.server.procs import vllm_venv_python
@@ -105,32 +112,7 @@ def test_a_bad_adapter_is_refused_with_vllms_reason(url: str, tiny_model_dir: Pa
 
 
 def test_unload_waits_for_the_requests_the_adapter_serves(url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
-    adapter = make_adapter(tiny_model_dir, tmp_path / "a", seed=5)
-    order: list[str] = []
-
-    async def unload(client: httpx.AsyncClient) -> httpx.Response:
-        answer = await client.post("/unload_lora_adapter", json={"lora_name": "busy"})
-        order.append("unload")
-        return answer
-
-    async def go() -> tuple[httpx.Response, httpx.Response]:
-        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            await client.post("/load_lora_adapter", json={"lora_name": "busy", "lora_path": str(adapter)})
-            long = {"input_ids": PROMPT, "lora_path": "busy", "stream": True,
-                    "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}  # fmt: skip
-            async with client.stream("POST", "/generate", json=long) as stream:
-                lines = stream.aiter_lines()
-                while not (await anext(lines)).startswith("data:"):  # the request runs on the adapter now
-                    pass
-                unloading = asyncio.create_task(unload(client))
-                await asyncio.sleep(0.2)
-                refused = await client.post("/generate", json={"input_ids": PROMPT, "lora_path": "busy"})
-                async for _ in lines:
-                    pass
-                order.append("generation")
-            return await unloading, refused
-
-    unloaded, refused = asyncio.run(go())
+    order, unloaded, refused = unload_during_a_request(url, make_adapter(tiny_model_dir, tmp_path / "a", seed=5), 200)
     assert order == ["generation", "unload"]  # the adapter served its request to the end
     assert unloaded.status_code == 200 and unloaded.json()["loaded_adapters"] == {}
     assert refused.status_code == 400 and "not loaded" in refused.text  # no new request once unloading
