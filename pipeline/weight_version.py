@@ -12,7 +12,7 @@ from pipeline.errors import SchemaError
 from pipeline.handoff import read_json, write_json_atomic
 from pipeline.paths import RunPaths
 from schemas.config import ArlConfig
-from schemas.engine_api import lora_adapter_name
+from schemas.engine_api import served_adapter
 from schemas.weight_version import WeightVersion
 
 
@@ -54,8 +54,7 @@ def published_version(paths: RunPaths) -> int:
 def announced_adapter(config: ArlConfig, paths: RunPaths) -> AnnouncedAdapter | None:
     """What an engine client of this run names in its requests: the announced adapter with
     `trainer.lora.publish: adapter`, else nothing (None: the servers' own weights serve)."""
-    lora = config.trainer.lora
-    return AnnouncedAdapter(paths) if lora is not None and lora.publish == "adapter" else None
+    return AnnouncedAdapter(paths) if config.trainer.publishes_adapters else None
 
 
 class AnnouncedAdapter:
@@ -75,7 +74,6 @@ class AnnouncedAdapter:
     def __call__(self) -> str | None:
         now = time.monotonic()
         if now - self._read_at >= self.ttl_s:
-            version = published_version(self.paths)
-            self._name = lora_adapter_name(version) if version > 0 else None
+            self._name = served_adapter(published_version(self.paths))
             self._read_at = now
         return self._name

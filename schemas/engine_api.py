@@ -271,6 +271,12 @@ def lora_adapter_name(version: int) -> str:
     return f"{LORA_NAME_PREFIX}{version}"
 
 
+def served_adapter(version: int) -> str | None:
+    """The adapter requests of run version `version` name: None for version 0, the base model (a fresh adapter is
+    zero, so nothing is loaded for it)."""
+    return lora_adapter_name(version) if version > 0 else None
+
+
 def lora_adapter_version(name: str) -> int | None:
     """The version of an adapter named by `lora_adapter_name` (None for any other name)."""
     tail = name.removeprefix(LORA_NAME_PREFIX)

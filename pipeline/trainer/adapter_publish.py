@@ -15,20 +15,15 @@ from) replaces the adapter of that name.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
-import torch
-
 from pipeline.engine.client import EngineError
-from pipeline.engine.server.weights import read_checkpoint
 from pipeline.errors import ArlError
 from pipeline.trainer.transports import Bucket, Outcome, ServerCalls, all_refused
 from schemas.engine_api import lora_adapter_name, lora_adapter_version
 
 log = logging.getLogger("arl.trainer.publish")
-_PREFIX = "base_model.model."
 
 
 class AdapterTransport:
@@ -72,29 +67,3 @@ class AdapterTransport:
 
     def close(self) -> None:
         """Nothing to release: the servers keep the adapters they serve."""
-
-
-def adapter_name(version: int) -> str | None:
-    """The adapter requests of `version` name (None: version 0, the base model)."""
-    return lora_adapter_name(version) if version > 0 else None
-
-
-def merged_from_dirs(adapter_dir: Path, base_dir: Path) -> dict[str, torch.Tensor]:
-    """Base + adapter as full Hugging Face weights, from the files alone (the verifier's reference when the trainer
-    has no state dict in memory: a restarted trainer republishing its checkpoint)."""
-    from safetensors.torch import load_file
-
-    config = json.loads((adapter_dir / "adapter_config.json").read_text())
-    scale = float(config["lora_alpha"]) / float(config["r"])
-    weights = read_checkpoint(base_dir)
-    adapter = load_file(str(adapter_dir / "adapter_model.safetensors"))
-    for key, a in adapter.items():
-        if not key.endswith(".lora_A.weight"):
-            continue
-        module = key.removeprefix(_PREFIX).removesuffix(".lora_A.weight")
-        b = adapter[key.replace(".lora_A.", ".lora_B.")]
-        base = weights.get(f"{module}.weight")
-        if base is None:
-            raise ArlError(f"{adapter_dir}: adapts {module}, which {base_dir} does not have")
-        weights[f"{module}.weight"] = (base.float() + scale * (b.float() @ a.float())).to(base.dtype)
-    return weights

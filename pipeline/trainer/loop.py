@@ -172,10 +172,10 @@ class Trainer:
         return updates
 
     def maybe_checkpoint(self, version: int, timings: Timings, force: bool = False) -> Path | None:
-        """Trainer state, then the HF checkpoint, then `LATEST`; disk sync needs one every step."""
-        adapters = self.cfg.lora is not None and self.cfg.lora.publish == "adapter"  # servers load them from disk
-        due = (self.cfg.weight_sync == "disk" or adapters or force or version % self.cfg.checkpoint_every == 0
-               or version == self.config.num_steps)  # fmt: skip
+        """Trainer state, then the HF checkpoint, then `LATEST`; disk sync (and adapter publication, whose servers
+        load the adapter from it) needs one every step."""
+        due = (self.cfg.weight_sync == "disk" or self.cfg.publishes_adapters or force
+               or version % self.cfg.checkpoint_every == 0 or version == self.config.num_steps)  # fmt: skip
         self._state_dict = None
         if not due:
             if self.cfg.weight_sync == "nccl":
@@ -211,7 +211,7 @@ class Trainer:
         from pipeline.trainer import lora
 
         config = self._lora_backend().adapter_config()
-        merged = self._state_dict if self.cfg.lora is not None and self.cfg.lora.publish == "merged" else None
+        merged = None if self.cfg.publishes_adapters else self._state_dict  # servers load the adapter alone
         lora.save_checkpoint(self.paths, version, adapter, config, merged, model, tokenizer, dtype)
 
     def publish(self, version: int, checkpoint: Path | None, timings: Timings) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from pipeline.engine.server.weights import read_checkpoint
 from pipeline.errors import ArlError, ConfigError
 from pipeline.handoff import publish_dir, staging_dir
 from pipeline.paths import ADAPTER_CONFIG, COMPLETE, MERGED, RunPaths, is_adapter_dir
@@ -94,11 +95,36 @@ def merged_weights(full: dict[str, torch.Tensor], scale: float) -> dict[str, tor
             continue
         module, leaf = name.split(".base_layer.")
         if leaf == "weight":
-            a = full[f"{_PREFIX}{module}.lora_A.{ADAPTER_NAME}.weight"].float()
-            b = full[f"{_PREFIX}{module}.lora_B.{ADAPTER_NAME}.weight"].float()
-            value = (value.float() + scale * (b @ a)).to(value.dtype)
+            a = full[f"{_PREFIX}{module}.lora_A.{ADAPTER_NAME}.weight"]
+            b = full[f"{_PREFIX}{module}.lora_B.{ADAPTER_NAME}.weight"]
+            value = _merge(value, a, b, scale)
         out[f"{module}.{leaf}"] = value
     return out
+
+
+def merged_from_files(adapter_dir: Path, base_dir: Path) -> dict[str, torch.Tensor]:
+    """Base + adapter as full Hugging Face weights, from the saved files alone (the publication's verifier when
+    the trainer has no state dict in memory: a restarted trainer republishing its adapter checkpoint)."""
+    from safetensors.torch import load_file
+
+    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    scale = float(config["lora_alpha"]) / float(config["r"])
+    weights = read_checkpoint(base_dir)
+    adapter = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
+    for key, a in adapter.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key.removeprefix(_PREFIX).removesuffix(".lora_A.weight")
+        base = weights.get(f"{module}.weight")
+        if base is None:
+            raise ArlError(f"{adapter_dir}: adapts {module}, which {base_dir} does not have")
+        weights[f"{module}.weight"] = _merge(base, a, adapter[key.replace(".lora_A.", ".lora_B.")], scale)
+    return weights
+
+
+def _merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """`W + scale * B @ A` in fp32, back in W's dtype (what PEFT's merge computes for a plain linear adapter)."""
+    return (weight.float() + scale * (b.float() @ a.float())).to(weight.dtype)
 
 
 def adapter_weights(model: Any) -> dict[str, torch.Tensor]:

@@ -50,11 +50,12 @@ from pipeline.engine.server.weights import read_checkpoint
 from pipeline.errors import ArlError
 from pipeline.handoff import write_json_atomic
 from pipeline.paths import RunPaths
-from pipeline.trainer.adapter_publish import AdapterTransport, adapter_name, merged_from_dirs
+from pipeline.trainer.adapter_publish import AdapterTransport
 from pipeline.trainer.checkpoint import buckets
-from pipeline.trainer.lora import base_of
+from pipeline.trainer.lora import base_of, merged_from_files
 from pipeline.trainer.transports import BroadcastTransport, DiskTransport, Outcome, ServerCalls
 from pipeline.trainer.verify import Expected, Verdict, Verifier
+from schemas.engine_api import served_adapter
 
 log = logging.getLogger("arl.trainer.publish")
 BUCKET_BYTES = 256 * 1024**2
@@ -99,7 +100,7 @@ class PublishOptions:
                    min_servers=config.inference.min_servers, update_mode=config.inference.update_mode,
                    pause_mode=config.inference.pause_mode,
                    interface=config.cluster.network_interface,
-                   adapter=trainer.lora is not None and trainer.lora.publish == "adapter")  # fmt: skip
+                   adapter=trainer.publishes_adapters)  # fmt: skip
 
     @property
     def pause(self) -> str:
@@ -180,7 +181,7 @@ class Publisher:
             return report
         tensors = state_dict if state_dict is not None else self._read(version, checkpoint)
         # The trainer's side of the check (a forward of the probe) runs while the tensors travel.
-        lora = adapter_name(version) if self.options.adapter else None
+        lora = served_adapter(version) if self.options.adapter else None
         expected = self.calls.pool.submit(self.verifier.expect, version, tensors, lora) if self.verifier else None
         sent = {k: v for k, v in tensors.items() if not (self.tied and k == "lm_head.weight")}
         if self.options.tamper is not None:
@@ -217,7 +218,7 @@ class Publisher:
         """The version's full weights from disk: the checkpoint, or base + adapter for adapter publication."""
         path = _required(checkpoint)
         if self.options.adapter and version > 0:
-            return merged_from_dirs(path, self.options.verify_model or base_of(path)) if self.verifier else {}
+            return merged_from_files(path, self.options.verify_model or base_of(path)) if self.verifier else {}
         return read_checkpoint(path)
 
     def _round(self, version: int, pending: list[_Member], checkpoint: Path | None, sent: dict[str, torch.Tensor],

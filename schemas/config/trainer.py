@@ -145,9 +145,14 @@ class TrainerConfig(Block):
             )
         return self
 
+    @property
+    def publishes_adapters(self) -> bool:
+        """LoRA with `publish: adapter`: the servers load each version's adapter (no merged weights are written)."""
+        return self.lora is not None and self.lora.publish == "adapter"
+
     @model_validator(mode="after")
     def _adapter_publication_reads_disk(self) -> TrainerConfig:
-        if self.lora is not None and self.lora.publish == "adapter" and self.weight_sync != "disk":
+        if self.publishes_adapters and self.weight_sync != "disk":
             raise PydanticCustomError(
                 UNSUPPORTED, "trainer.lora.publish=adapter: servers load each adapter from its checkpoint directory, "
                 "so it needs trainer.weight_sync=disk (or trainer.lora.publish=merged to broadcast merged weights)", {}

@@ -695,7 +695,7 @@ def test_adapter_publisher_follows_sglangs_lora_protocol(tiny_model_dir: Path, t
     from pipeline.engine.registry import write_entry
     from pipeline.paths import RunPaths
     from pipeline.trainer import publish
-    from pipeline.trainer.adapter_publish import merged_from_dirs
+    from pipeline.trainer.lora import merged_from_files
     from schemas.engine_api import InferenceEntry, lora_adapter_name
 
     judge = publish_judge
@@ -710,7 +710,7 @@ def test_adapter_publisher_follows_sglangs_lora_protocol(tiny_model_dir: Path, t
     try:
         for version in range(first, first + 3):
             adapter = make_adapter(tiny_model_dir, paths.checkpoint_dir(version), seed=version, rank=4)
-            report = publisher.publish(version, adapter, merged_from_dirs(adapter, tiny_model_dir))
+            report = publisher.publish(version, adapter, merged_from_files(adapter, tiny_model_dir))
             assert report.servers == [judge.url], report.reasons  # the probe on the adapter matched the trainer's
             assert judge.model_info()["weight_version"] == str(version)
     finally:

@@ -132,8 +132,7 @@ def vllm_command(config: ArlConfig, *, model_path: str, tokenizer: str, port: in
 
 def published_adapter(config: ArlConfig) -> LoraConfig | None:
     """`trainer.lora` when the run publishes LoRA adapters to the servers (`publish: adapter`), else None."""
-    lora = config.trainer.lora
-    return lora if lora is not None and lora.publish == "adapter" else None
+    return config.trainer.lora if config.trainer.publishes_adapters else None
 
 
 def lora_flags(config: ArlConfig, backend: str) -> list[str]:
