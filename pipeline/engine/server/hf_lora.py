@@ -22,7 +22,7 @@ import json
 import math
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,6 @@ class Adapter:
     """The run's weight version when the name is arl's (`lora_adapter_name`); tokens it samples carry it."""
     retiring: bool = False
     """Being unloaded: refuses new requests, waits for those it serves."""
-    nbytes: int = field(default=0)
 
 
 class LoraAdapters:
@@ -77,8 +76,7 @@ class LoraAdapters:
 
         tensors = load_file(str(weights_file))
         layers = _layers(self.model, tensors, weights_file)
-        nbytes = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in layers.values())
-        return Adapter(name, str(directory.resolve()), scale, layers, lora_adapter_version(name), nbytes=nbytes)
+        return Adapter(name, str(directory.resolve()), scale, layers, lora_adapter_version(name))
 
     def register(self, adapter: Adapter) -> None:
         """Serve `adapter` from now on (scheduler thread); a name already loaded is refused, as in SGLang."""
