@@ -83,6 +83,17 @@ def trainable(model: Any) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def param_groups(model: Any, lr: float, cfg: LoraConfig | None) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups: every trainable parameter at `lr`, except LoRA+'s B matrices at
+    `lr * cfg.lr_ratio` (a group per rate, in a fixed order, so saved optimizer state lines up on resume)."""
+    if cfg is None or cfg.lr_ratio == 1.0:
+        return [{"params": trainable(model), "lr": lr}]
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    a_side = [p for name, p in named if ".lora_B." not in name]
+    b_side = [p for name, p in named if ".lora_B." in name]
+    return [{"params": a_side, "lr": lr}, {"params": b_side, "lr": lr * cfg.lr_ratio}]
+
+
 def merged_weights(full: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
     """The base's own parameter names and merged weights, from a `PeftModel`'s full state dict."""
     out: dict[str, torch.Tensor] = {}

@@ -75,6 +75,9 @@ class LoraConfig(Block):
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """Module names to adapt (PEFT's `target_modules`, e.g. [q_proj, v_proj]); `all-linear` = every linear layer
     of the decoder (not the output layer). Only linear layers can be adapted (merging is plain W + s * B @ A)."""
+    lr_ratio: float = Field(1.0, gt=0)
+    """LoRA+: the B matrices (the adapter's output side, zero at the start) learn at `lr_ratio` times
+    `trainer.optimizer.lr`, the A matrices at the lr itself (Hayou et al. 2024 suggest 16; 1 = plain LoRA)."""
     publish: Literal["merged", "adapter"] = "merged"
     """How servers get a new version: `merged` = the trainer merges the adapter into the base and publishes full
     weights by `trainer.weight_sync` (any engine); `adapter` = servers load each version's adapter from its

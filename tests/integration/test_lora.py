@@ -162,13 +162,19 @@ def served_prompt_logprobs(url: str, ids: list[int], lora: str | None = None) ->
 
 
 def test_step_rerun_from_a_lora_checkpoint_is_bitwise(make_train_run) -> None:
-    """`--step 1` loads version 1's adapter, optimizer (adapter parameters only) and RNG state: exact resume."""
+    """`--step 1` loads version 1's adapter, optimizer (adapter parameters only, in LoRA+'s two groups) and RNG
+    state: exact resume."""
     paths = make_train_run(steps=[0, 1], overrides=[*LORA, "num_steps=2", "trainer.deterministic=true",
-                                                    "trainer.lora.dropout=0.1", "trainer.minibatches=2"])  # fmt: skip
+                                                    "trainer.lora.dropout=0.1", "trainer.minibatches=2",
+                                                    "trainer.lora.lr_ratio=4"])  # fmt: skip
     run_trainer(StageContext.from_run_dir("train", paths.root))
     adapter = load_file(str(paths.checkpoint_dir(2) / "adapter_model.safetensors"))
     optimizer = torch.load(paths.trainer_state_dir(2) / "optimizer.pt", weights_only=False)
     assert all(".lora_" in name for name in optimizer["state"])
+    groups = optimizer["param_groups"]
+    assert [g["initial_lr"] for g in groups] == [0.01, 0.04]  # A (and nothing else) at lr, B at lr * lr_ratio
+    assert {len(g["params"]) for g in groups} == {len(optimizer["state"]) // 2}
+    assert all(".lora_B." in name for name in groups[1]["params"])
     run_trainer(StageContext.from_run_dir("train", paths.root, only_step=1))
     again = load_file(str(paths.checkpoint_dir(2) / "adapter_model.safetensors"))
     assert adapter.keys() == again.keys()
