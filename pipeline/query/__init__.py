@@ -8,6 +8,7 @@ worked queries.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,7 +64,7 @@ def split_args(args: Sequence[str], *, sql_file: Path | None, schema: bool) -> t
         raise QueryError('give one or more run dirs, then the SQL: arl query RUN_DIR [RUN_DIR ...] "SQL" '
                          "(or --file FILE, or - to read it from stdin)")  # fmt: skip
     *run_dirs, sql = args
-    if Path(sql).is_dir():
+    if os.path.isdir(sql):  # not Path.is_dir: a long SQL text is a name too long for stat, an OSError
         raise QueryError(f"the last argument must be the SQL, got the directory {sql}: "
                          'arl query RUN_DIR [RUN_DIR ...] "SQL"')  # fmt: skip
     return run_dirs, _nonempty(_read_sql(sql) if sql == "-" else sql, "the SQL argument")

@@ -50,8 +50,8 @@ class Catalog:
 
     connection: duckdb.DuckDBPyConnection
     runs: list[Run]
-    steps: dict[str, list[int]] = field(default_factory=dict)
-    """The trajectory steps read, per run label."""
+    read_steps: dict[str, list[int]] = field(default_factory=dict)
+    """The trajectory steps in `samples`, per run label."""
     notes: list[str] = field(default_factory=list)
     """One line per complete-looking step left out (bad checksum, missing part, unreadable manifest)."""
 

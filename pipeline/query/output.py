@@ -32,7 +32,9 @@ _RESULT_VIEW = "_arl_result"
 def emit(con: duckdb.DuckDBPyConnection, relation: duckdb.DuckDBPyRelation, *, fmt: str, output: Path | None,
          limit: int | None) -> None:  # fmt: skip
     """Write `relation` (a query's result on `con`) in `fmt` to `output`, or to stdout when it is None."""
-    relation.create_view(_RESULT_VIEW, replace=True)
+    # register, not create_view: a statement DuckDB has already run (SET, CREATE ...) returns rows held in
+    # this process, which a view cannot store
+    con.register(_RESULT_VIEW, relation)
     if fmt == "table":
         shown = TABLE_ROWS if limit is None else limit
         rows = con.sql(f"SELECT * FROM {_RESULT_VIEW} LIMIT {shown + 1}").fetchall()
