@@ -39,7 +39,7 @@ def query_command(args: Sequence[str], *, sql_file: Path | None = None, fmt: str
     if limit is not None and limit < 0:
         raise QueryError(f"--limit must be >= 0, got {limit}")
     run_dirs, sql = split_args(args, sql_file=sql_file, schema=schema)
-    catalog = connect(run_dirs, verify=verify)
+    catalog = connect(run_dirs, verify=verify, progress=sys.stdout.isatty() and (fmt == "table" or output is not None))
     try:
         for note in catalog.notes:
             print(f"note: {note}", file=sys.stderr)
