@@ -43,11 +43,13 @@ def emit(con: duckdb.DuckDBPyConnection, relation: duckdb.DuckDBPyRelation, *, f
         return
     select = f"SELECT * FROM {_RESULT_VIEW}" + (f" LIMIT {limit}" if limit is not None else "")
     if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
         staged = output.with_name(f".{output.name}.{secrets.token_hex(4)}.tmp")
         try:
+            output.parent.mkdir(parents=True, exist_ok=True)
             _copy(con, select, staged, fmt)
             os.replace(staged, output)
+        except OSError as exc:
+            raise ArlError(f"--output {output}: cannot write it: {exc.strerror or exc}") from None
         finally:
             staged.unlink(missing_ok=True)
         return

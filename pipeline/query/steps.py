@@ -41,15 +41,15 @@ def steps_data(runs: Sequence[tuple[str, RunPaths]]) -> StepsData:
     """The joined metrics of `runs` (label, paths), rows ordered by run (as given) then step."""
     cells: dict[tuple[int, int], Cells] = {}
     for index, (_, paths) in enumerate(runs):
-        for source, step, values in _records(paths):
-            cells.setdefault((index, step), {}).update({(source, k): v for k, v in values.items()})
+        for source, step, record in _records(paths):
+            cells.setdefault((index, step), {}).update({(source, k): v for k, v in record.items()})
     keys = sorted({key for row in cells.values() for key in row}, key=_source_order)
     order = sorted(cells)
     names = column_names(keys, taken={"run", "step"})
     columns = [("run", "VARCHAR"), ("step", "BIGINT")]
     rows: list[dict[str, Any]] = [{"run": runs[index][0], "step": step} for index, step in order]
     for name, key in zip(names, keys, strict=True):
-        kind, values = typed_values([cells[row].get(key) for row in order])
+        kind, values = typed_values([cells[at].get(key) for at in order])
         columns.append((name, kind))
         for row, value in zip(rows, values, strict=True):
             row[name] = value
