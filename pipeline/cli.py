@@ -141,6 +141,31 @@ def inspect(
     return inspect_path(path, step=step, decode=decode, fmt=fmt.value, output=output, limit=limit, task=task)
 
 
+class QueryFormat(StrEnum):
+    table = "table"
+    csv = "csv"
+    json = "json"
+    parquet = "parquet"
+
+
+@app.command()
+@_friendly
+def query(
+    args: list[str] = typer.Argument(..., metavar="RUN_DIR... SQL", help="Run dirs, then the SQL (- reads stdin)."),
+    sql_file: Path | None = typer.Option(None, "--file", "-f", help="Read the SQL from FILE (- reads stdin)."),
+    fmt: QueryFormat = typer.Option(QueryFormat.table, "--format", help="table, csv, json (an array) or parquet."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Write the result to FILE instead of stdout."),
+    limit: int | None = typer.Option(None, "--limit", help="At most N rows (a table shows 100 unless given)."),
+    schema: bool = typer.Option(False, "--schema", help="List the views and their columns; every argument is a run."),
+    no_verify: bool = typer.Option(False, "--no-verify", help="Trust the manifests without hashing the parts."),
+) -> int:
+    """SQL over runs (DuckDB): views samples, tokens and steps over every complete step; docs/inspect.md."""
+    from pipeline.query import query_command
+
+    return query_command(args, sql_file=sql_file, fmt=fmt.value, output=output, limit=limit, schema=schema,
+                         verify=not no_verify)  # fmt: skip
+
+
 class EvalFormat(StrEnum):
     table = "table"
     json = "json"

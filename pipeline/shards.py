@@ -58,6 +58,7 @@ __all__ = [
     "read_part",
     "read_step",
     "read_step_dir",
+    "step_part_files",
     "step_stats",
     "write_step",
 ]
@@ -278,7 +279,7 @@ def read_step_dir(
     for part in manifest.parts:
         path = step_dir / part.file
         if not path.exists():
-            raise SchemaError(f"{path}: listed in {step_dir / MANIFEST} but missing; re-write step {manifest.step}")
+            raise _missing_part(path, step_dir, manifest)
         table = read_part(path, columns=columns, expected_sha256=part.sha256 if verify else None)
         if table.num_rows != part.rows:
             raise SchemaError(f"{path}: holds {table.num_rows} rows, the manifest says {part.rows}")
@@ -308,8 +309,7 @@ def read_part(path: str | Path, *, columns: list[str] | None = None, expected_sh
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError, SchemaError) as exc:
         parse_error = exc  # reported after the checksum: a bad checksum is the better explanation
     if hasher is not None and (actual := hasher.result()) != expected_sha256:
-        raise SchemaError(f"{path}: sha256 {actual[:16]}… does not match the manifest's {str(expected_sha256)[:16]}…: "
-                          "the file is corrupt or was replaced; re-write the step")  # fmt: skip
+        raise _checksum_mismatch(path, actual, str(expected_sha256))
     if isinstance(parse_error, SchemaError):
         raise parse_error
     if parse_error is not None:
@@ -318,6 +318,42 @@ def read_part(path: str | Path, *, columns: list[str] | None = None, expected_sh
     if not table.schema.remove_metadata().equals(expected):
         raise SchemaError(f"{path}: column types differ from trajectory schema v{SCHEMA_VERSION}:\n{table.schema}")
     return table
+
+
+def step_part_files(step_dir: Path, *, verify: bool = True, paths: RunPaths | None = None,
+                    ) -> tuple[Manifest, list[Path]]:  # fmt: skip
+    """A complete step's manifest and part files, each present and (`verify`) matching its manifest checksum,
+    without decoding them: for readers that hand the files to another engine (`arl query` gives them to DuckDB).
+    Raises what `read_step_dir` raises for a step without a manifest, a missing part or a bad checksum."""
+    manifest = _load_manifest(step_dir, paths)
+    files = []
+    for part in manifest.parts:
+        path = step_dir / part.file
+        if not verify:
+            if not path.is_file():
+                raise _missing_part(path, step_dir, manifest)
+            files.append(path)
+            continue
+        try:
+            with path.open("rb") as handle:
+                actual = hashlib.file_digest(handle, "sha256").hexdigest()
+        except FileNotFoundError:
+            raise _missing_part(path, step_dir, manifest) from None
+        except OSError as exc:
+            raise SchemaError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        if actual != part.sha256:
+            raise _checksum_mismatch(path, actual, part.sha256)
+        files.append(path)
+    return manifest, files
+
+
+def _missing_part(path: Path, step_dir: Path, manifest: Manifest) -> SchemaError:
+    return SchemaError(f"{path}: listed in {step_dir / MANIFEST} but missing; re-write step {manifest.step}")
+
+
+def _checksum_mismatch(path: Path, actual: str, expected: str) -> SchemaError:
+    return SchemaError(f"{path}: sha256 {actual[:16]}… does not match the manifest's {expected[:16]}…: "
+                       "the file is corrupt or was replaced; re-write the step")  # fmt: skip
 
 
 @functools.cache

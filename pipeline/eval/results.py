@@ -12,12 +12,12 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from pipeline.paths import MANIFEST, RunPaths
-from schemas.config import ArlConfig
 from schemas.manifest import Manifest
 
 if TYPE_CHECKING:
     from pipeline.eval.runner import SetResult
     from pipeline.metrics import MetricsSink
+    from schemas.config import ArlConfig
 
 log = logging.getLogger("arl.eval")
 EVAL_STAGE = "eval"
