@@ -283,12 +283,14 @@ def logged_steps(paths: RunPaths) -> set[int]:
 
 
 def reduce_stats(stats: MinibatchStats) -> MinibatchStats:
-    """Sum token statistics (and the loss shares) over data-parallel ranks; max the maxima."""
+    """Sum token statistics (and the loss shares) over data-parallel ranks; max the maxima; per-token values to
+    rank 0 (the only rank that logs)."""
     summed = fsdp.all_reduce({**{f"s.{k}": v for k, v in stats.sums.items()}, "loss": stats.loss,
                               "tokens": float(stats.tokens)})  # fmt: skip
     maxima = fsdp.all_reduce(stats.maxima, op="max")
     sums = {k.removeprefix("s."): v for k, v in summed.items() if k.startswith("s.")}
-    return MinibatchStats(summed["loss"], stats.grad_norm, stats.lr, int(summed["tokens"]), sums, maxima)
+    return MinibatchStats(summed["loss"], stats.grad_norm, stats.lr, int(summed["tokens"]), sums, maxima,
+                          fsdp.gather_arrays(stats.values))  # fmt: skip
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
