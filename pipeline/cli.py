@@ -175,6 +175,34 @@ def export_merged_cmd(
     return 0
 
 
+class Device(StrEnum):
+    cpu = "cpu"
+    cuda = "cuda"
+    auto = "auto"
+
+
+@app.command()
+@_friendly
+def replay(
+    run_dir: Path = typer.Argument(..., help="The run directory."),
+    step: int = typer.Option(..., "--step", help="The trajectory step whose sampled tokens are scored again."),
+    checkpoint: Path | None = typer.Option(
+        None, "--checkpoint", help="Score under this model (default: each token's own version)."
+    ),
+    device: Device = typer.Option(Device.cpu, "--device", help="Where the model runs."),
+    output: Path | None = typer.Option(
+        None, "--output", "-o", help="Per-token Parquet (default RUN/replay/step_K.parquet)."
+    ),
+    fmt: EvalFormat = typer.Option(EvalFormat.table, "--format", help="table (terminal) or json (scripts)."),
+    worst: int = typer.Option(10, "--worst", help="How many of the largest-|delta| tokens to show."),
+) -> int:
+    """Score a step's sampled tokens again with the trainer's forward path: the mismatch with the engine's log-probs."""
+    from pipeline.replay import replay_command
+
+    return replay_command(run_dir, step, checkpoint=checkpoint, device=device.value, output=output, fmt=fmt.value,
+                          worst=worst)  # fmt: skip
+
+
 @app.command()
 @_friendly
 def demo(

@@ -25,7 +25,6 @@ import torch
 
 from schemas.config.trainer import AlgorithmConfig, MismatchConfig
 
-
 MISMATCH_LOG_RATIO = "mismatch/log_ratio"
 """`LossOutput.per_token` key: log pi_prox - log pi_behav of each trained token."""
 
@@ -103,7 +102,10 @@ def sequence_mean(values: torch.Tensor, mask: torch.Tensor, seq_index: torch.Ten
 
 
 def behaviour_weight(
-    prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor | None,
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    mask: torch.Tensor,
+    seq_index: torch.Tensor | None,
     mismatch: MismatchConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(corrected weight, keep-mask, out-of-bounds indicator) per token, for w = pi_prox / pi_behav.

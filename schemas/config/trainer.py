@@ -33,8 +33,10 @@ class MismatchConfig(Block):
                 UNSUPPORTED, "trainer.algorithm.mismatch.low needs mode=mask (truncation caps from above only)", {}
             )
         if self.low is not None and self.high is not None and self.low >= self.high:
-            raise PydanticCustomError(UNSUPPORTED, "trainer.algorithm.mismatch: low ({low}) must be below high ({high})",
-                                      {"low": self.low, "high": self.high})  # fmt: skip
+            raise PydanticCustomError(
+                UNSUPPORTED, "trainer.algorithm.mismatch: low ({low}) must be below high ({high})",
+                {"low": self.low, "high": self.high},
+            )  # fmt: skip
         return self
 
 

@@ -49,7 +49,7 @@ def test_token_mask_drops_tokens_outside_the_bounds() -> None:
 
 
 def test_sequence_truncate_gives_every_token_its_samples_capped_geometric_mean() -> None:
-    w, keep, _ = weights(level="sequence", mode="truncate", high=1.5)
+    w, _, _ = weights(level="sequence", mode="truncate", high=1.5)
     assert w == pytest.approx([1.5, 1.5, 1.5, 1.5, 0.54881, 0.54881], abs=1e-5)
     w, _, _ = weights(level="sequence", mode="truncate", high=None)
     assert w[:3] == pytest.approx([1.76238] * 3, abs=1e-5)
@@ -66,7 +66,7 @@ def test_loss_uses_the_corrected_weight_and_reports_the_mismatch() -> None:
     """loss = sum_t weight_t * keep_t * (-A * ratio_t) with logp = prox (ratio 1, inside the clip)."""
     prox = torch.tensor(LOG_W, dtype=torch.float64)
     mask = torch.tensor(MASK, dtype=torch.float64)
-    batch = TokenBatch(mask=mask, weights=mask / 5, advantages=mask * 2.0, behav_logp=torch.zeros(6, dtype=torch.float64),
+    batch = TokenBatch(mask=mask, weights=mask / 5, advantages=mask * 2.0, behav_logp=torch.zeros_like(mask),
                        prox_logp=prox * mask, seq_index=torch.tensor(SEQ))  # fmt: skip
     out = policy_loss(prox.clone(), None, batch, AlgorithmConfig(mismatch=MismatchConfig(level="sequence", high=2.0,
                                                                                           low=0.6)))  # fmt: skip
@@ -165,6 +165,6 @@ def test_step_metrics_equal_a_hand_computation_over_minibatches_micro_batches_an
 def test_old_keys_are_refused_with_the_new_one_named() -> None:
     with pytest.raises(ConfigError, match=r"behav_imp_cap.*replaced: write trainer\.algorithm\.mismatch\.high"):
         load_config(None, ["trainer.algorithm.behav_imp_cap=3"])
-    with pytest.raises(ConfigError, match="mismatch.low needs mode=mask"):
+    with pytest.raises(ConfigError, match=r"mismatch\.low needs mode=mask"):
         load_config(None, ["trainer.algorithm.mismatch.mode=truncate", "trainer.algorithm.mismatch.low=0.5"])
     assert load_config(None, ["trainer.algorithm.mismatch.level=sequence"]).trainer.algorithm.mismatch.high == 5.0
