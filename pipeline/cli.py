@@ -175,12 +175,6 @@ def export_merged_cmd(
     return 0
 
 
-class Device(StrEnum):
-    cpu = "cpu"
-    cuda = "cuda"
-    auto = "auto"
-
-
 @app.command()
 @_friendly
 def replay(
@@ -189,7 +183,7 @@ def replay(
     checkpoint: Path | None = typer.Option(
         None, "--checkpoint", help="Score under this model (default: each token's own version)."
     ),
-    device: Device = typer.Option(Device.cpu, "--device", help="Where the model runs."),
+    device: str = typer.Option("cpu", "--device", help="Where the model runs: cpu, cuda or auto."),
     output: Path | None = typer.Option(
         None, "--output", "-o", help="Per-token Parquet (default RUN/replay/step_K.parquet)."
     ),
@@ -199,7 +193,7 @@ def replay(
     """Score a step's sampled tokens again with the trainer's forward path: the mismatch with the engine's log-probs."""
     from pipeline.replay import replay_command
 
-    return replay_command(run_dir, step, checkpoint=checkpoint, device=device.value, output=output, fmt=fmt.value,
+    return replay_command(run_dir, step, checkpoint=checkpoint, device=device, output=output, fmt=fmt.value,
                           worst=worst)  # fmt: skip
 
 

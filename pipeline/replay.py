@@ -56,9 +56,11 @@ def replay_step(run_dir: Path, step: int, *, checkpoint: Path | None = None, dev
     from pipeline.config import config_from_run_dir
     from pipeline.shards import read_manifest, read_step
 
+    if device not in ("cpu", "cuda", "auto"):
+        raise ArlError(f"--device must be cpu, cuda or auto, got {device!r}")
     paths = RunPaths(Path(run_dir))
     config = config_from_run_dir(run_dir)
-    config.trainer.device = device  # type: ignore[assignment]
+    config.trainer.device = device  # type: ignore[assignment]  # checked above
     config.trainer.algorithm.kl_coef = 0.0  # no reference model: only the policy's log-probs are needed
     if not paths.step_manifest(step).exists():
         raise ArlError(f"{paths.step_dir(step)} is not a complete step; complete steps: {paths.complete_steps()}")
