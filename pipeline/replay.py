@@ -93,7 +93,8 @@ def _weights_by_version(paths: RunPaths, config: ArlConfig, samples: list[Sample
     if missing:
         raise ArlError(
             f"step {step} was sampled by versions {versions}; checkpoints of {missing} are gone (pruned by "
-            f"trainer.keep_checkpoints={config.trainer.keep_checkpoints}?), kept: {kept}; pass --checkpoint PATH"
+            f"trainer.keep_checkpoints={config.trainer.keep_checkpoints}, or never written with "
+            f"trainer.checkpoint_every={config.trainer.checkpoint_every}), kept: {kept}; pass --checkpoint PATH"
         )
     return {str(Path(config.model.path) if v == 0 else paths.checkpoint_dir(v)): [v] for v in versions}
 

@@ -264,9 +264,10 @@ class Trainer:
         self.sinks.log(step, values)
         if self.rank0:
             self.paths.pending_metrics.unlink(missing_ok=True)
-        log.info("step %d: loss %.4f reward %.3f grad_norm %.3f kl %.2e %.0f tok/s (wait %.1fs compute %.1fs "
-                 "publish %.1fs)", step, values["loss"], values["reward_mean"], values["grad_norm"],
-                 values.get("kl_behav_k3", 0.0), values["tokens_per_s"], timings.wait_s, timings.compute_s,
+        log.info("step %d: loss %.4f reward %.3f grad_norm %.3f kl %.2e mismatch k3 %.2e %.0f tok/s (wait %.1fs "
+                 "compute %.1fs publish %.1fs)", step, values["loss"], values["reward_mean"], values["grad_norm"],
+                 values.get("kl_behav_k3", 0.0), values.get("mismatch/k3", 0.0), values["tokens_per_s"],
+                 timings.wait_s, timings.compute_s,
                  timings.publish_s)  # fmt: skip
 
 
