@@ -202,6 +202,28 @@ def export_merged_cmd(
 
 @app.command()
 @_friendly
+def replay(
+    run_dir: Path = typer.Argument(..., help="The run directory."),
+    step: int = typer.Option(..., "--step", help="The trajectory step whose sampled tokens are scored again."),
+    checkpoint: Path | None = typer.Option(
+        None, "--checkpoint", help="Score under this model (default: each token's own version)."
+    ),
+    device: str = typer.Option("cpu", "--device", help="Where the model runs: cpu, cuda or auto."),
+    output: Path | None = typer.Option(
+        None, "--output", "-o", help="Per-token Parquet (default RUN/replay/step_K.parquet)."
+    ),
+    fmt: EvalFormat = typer.Option(EvalFormat.table, "--format", help="table (terminal) or json (scripts)."),
+    worst: int = typer.Option(10, "--worst", help="How many of the largest-|delta| tokens to show."),
+) -> int:
+    """Score a step's sampled tokens again with the trainer's forward path: the mismatch with the engine's log-probs."""
+    from pipeline.replay import replay_command
+
+    return replay_command(run_dir, step, checkpoint=checkpoint, device=device, output=output, fmt=fmt.value,
+                          worst=worst)  # fmt: skip
+
+
+@app.command()
+@_friendly
 def demo(
     overrides: list[str] = typer.Argument(None, help="key.sub=value overrides of examples/demo.yaml."),
     steps: int | None = typer.Option(None, "--steps", help="Training steps (default: the demo config's num_steps)."),

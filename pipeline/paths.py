@@ -130,6 +130,15 @@ class RunPaths:
     def latest(self) -> Path:
         return self.checkpoints / "LATEST"
 
+    # -- replays (`arl replay`) -----------------------------------------------------------
+    @property
+    def replays(self) -> Path:
+        return self.root / "replay"
+
+    def replay_file(self, step: int) -> Path:
+        """Per-token engine vs trainer log-probs of step `step` (`pipeline.replay`)."""
+        return self.replays / f"{step_name(step)}.parquet"
+
     # -- state ----------------------------------------------------------------------------
     @property
     def state(self) -> Path:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
+import numpy as np
+
 if TYPE_CHECKING:
     import torch
 
@@ -36,6 +38,8 @@ class MinibatchStats:
     """Tokens forwarded (packed rows, prompt included): the throughput numerator."""
     sums: dict[str, float] = field(default_factory=dict)
     maxima: dict[str, float] = field(default_factory=dict)
+    values: dict[str, np.ndarray] = field(default_factory=dict)
+    """`LossOutput.per_token` concatenated over this rank's micro-batches (the loop gathers them to rank 0)."""
 
 
 class TrainBackend(Protocol):

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -94,6 +95,21 @@ def all_reduce(values: dict[str, float], op: str = "sum") -> dict[str, float]:
         tensor = tensor.cuda()
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return dict(zip(keys, tensor.cpu().tolist(), strict=True))
+
+
+def gather_arrays(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """On rank 0: each key's arrays from every rank, concatenated in rank order; other ranks keep their own.
+    Identity without a process group. Keys may differ between ranks (a rank with no tokens sends none)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return dict(values)
+    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object(values, gathered if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
+        return dict(values)
+    keys = sorted({k for part in gathered for k in part})
+    return {k: np.concatenate([part[k] for part in gathered if k in part]) for k in keys}
 
 
 def barrier() -> None:

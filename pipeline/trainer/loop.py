@@ -264,9 +264,10 @@ class Trainer:
         self.sinks.log(step, values)
         if self.rank0:
             self.paths.pending_metrics.unlink(missing_ok=True)
-        log.info("step %d: loss %.4f reward %.3f grad_norm %.3f kl %.2e %.0f tok/s (wait %.1fs compute %.1fs "
-                 "publish %.1fs)", step, values["loss"], values["reward_mean"], values["grad_norm"],
-                 values.get("kl_behav_k3", 0.0), values["tokens_per_s"], timings.wait_s, timings.compute_s,
+        log.info("step %d: loss %.4f reward %.3f grad_norm %.3f kl %.2e mismatch k3 %.2e %.0f tok/s (wait %.1fs "
+                 "compute %.1fs publish %.1fs)", step, values["loss"], values["reward_mean"], values["grad_norm"],
+                 values.get("kl_behav_k3", 0.0), values.get("mismatch/k3", 0.0), values["tokens_per_s"],
+                 timings.wait_s, timings.compute_s,
                  timings.publish_s)  # fmt: skip
 
 
@@ -283,12 +284,14 @@ def logged_steps(paths: RunPaths) -> set[int]:
 
 
 def reduce_stats(stats: MinibatchStats) -> MinibatchStats:
-    """Sum token statistics (and the loss shares) over data-parallel ranks; max the maxima."""
+    """Sum token statistics (and the loss shares) over data-parallel ranks; max the maxima; per-token values to
+    rank 0 (the only rank that logs)."""
     summed = fsdp.all_reduce({**{f"s.{k}": v for k, v in stats.sums.items()}, "loss": stats.loss,
                               "tokens": float(stats.tokens)})  # fmt: skip
     maxima = fsdp.all_reduce(stats.maxima, op="max")
     sums = {k.removeprefix("s."): v for k, v in summed.items() if k.startswith("s.")}
-    return MinibatchStats(summed["loss"], stats.grad_norm, stats.lr, int(summed["tokens"]), sums, maxima)
+    return MinibatchStats(summed["loss"], stats.grad_norm, stats.lr, int(summed["tokens"]), sums, maxima,
+                          fsdp.gather_arrays(stats.values))  # fmt: skip
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:

@@ -12,7 +12,7 @@ that sampled), proximal log-probs `prox` (the policy at the start of the step) a
     ratio   = exp(logp - prox)                                  (trust region around prox)
     pg      = max(-A * ratio, -A * clip(ratio, 1 - eps_lo, 1 + eps_hi))
     w_behav = exp(prox - behav)                                 (off-policy correction)
-    loss_t  = w_behav * pg          with w_behav capped (`cap`) or the token dropped (`mask`)
+    loss_t  = w_behav * pg          with w_behav corrected by `algorithm.mismatch` (`behaviour_weight`)
 
 When not decoupled, `prox = behav` and this is plain PPO-clip against the behaviour policy.
 """
@@ -23,7 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from schemas.config.trainer import AlgorithmConfig
+from schemas.config.trainer import AlgorithmConfig, MismatchConfig
+
+MISMATCH_LOG_RATIO = "mismatch/log_ratio"
+"""`LossOutput.per_token` key: log pi_prox - log pi_behav of each trained token."""
 
 
 @dataclass
@@ -42,6 +45,9 @@ class TokenBatch:
     """Proximal log-probs (current weights before the update); None = use `behav_logp`."""
     ref_logp: torch.Tensor | None = None
     """Frozen reference log-probs; needed only when `kl_coef > 0`."""
+    seq_index: torch.Tensor | None = None
+    """Which sample of the micro-batch each token belongs to (0, 1, ...; int64); needed by sequence-level
+    mismatch corrections. None = one sample."""
 
 
 @dataclass
@@ -52,6 +58,9 @@ class LossOutput:
     """Detached token sums of diagnostics (divide by `sums['tokens']` after summing micro-batches)."""
     maxima: dict[str, torch.Tensor] = field(default_factory=dict)
     """Detached maxima of diagnostics."""
+    per_token: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Detached per-token values of the trained tokens (1-D, mask applied) for statistics that sums cannot give
+    (percentiles); the backend concatenates them over micro-batches into `MinibatchStats.values`."""
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -82,20 +91,44 @@ def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def sequence_mean(values: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor | None) -> torch.Tensor:
+    """Per token: the mean of `values` over the masked tokens of its sample (0 for a sample without any)."""
+    if seq_index is None:
+        seq_index = torch.zeros_like(mask, dtype=torch.long)
+    count = int(seq_index.max()) + 1 if seq_index.numel() else 0
+    sums = torch.zeros(count, dtype=values.dtype, device=values.device).index_add_(0, seq_index, values * mask)
+    tokens = torch.zeros(count, dtype=mask.dtype, device=mask.device).index_add_(0, seq_index, mask)
+    return (sums / tokens.clamp(min=1.0))[seq_index]
+
+
 def behaviour_weight(
-    prox_logp: torch.Tensor, behav_logp: torch.Tensor, cap: float | None, mode: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(importance weight pi_prox/pi_behav, keep-mask) with the cap applied per `mode` (`cap` | `mask`)."""
-    weight = torch.exp(prox_logp - behav_logp)
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    mask: torch.Tensor,
+    seq_index: torch.Tensor | None,
+    mismatch: MismatchConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(corrected weight, keep-mask, out-of-bounds indicator) per token, for w = pi_prox / pi_behav.
+
+    The weight judged is w_t (level token) or the sample's geometric mean exp(mean_t log w_t) (level sequence);
+    `truncate` returns min(weight, high), `mask` returns the weight and keep = 1[low <= weight <= high].
+    Out of bounds: the weight is outside [low, high], whatever the mode (what truncation changed or masking dropped).
+    """
+    log_w = prox_logp - behav_logp
+    if mismatch.level == "sequence":
+        log_w = sequence_mean(log_w, mask, seq_index)
+    weight = torch.exp(log_w)
+    out = torch.zeros_like(weight, dtype=torch.bool)
+    if mismatch.high is not None:
+        out |= weight > mismatch.high
+    if mismatch.low is not None:
+        out |= weight < mismatch.low
     keep = torch.ones_like(weight)
-    if cap is not None:
-        if mode == "mask":
-            keep = (weight <= cap).to(weight.dtype)
-        elif mode == "cap":
-            weight = weight.clamp(max=cap)
-        else:
-            raise ValueError(f"behav_imp_mode must be 'cap' or 'mask', got {mode!r}")
-    return weight, keep
+    if mismatch.mode == "mask":
+        keep = (~out).to(weight.dtype)
+    elif mismatch.high is not None:
+        weight = weight.clamp(max=mismatch.high)
+    return weight, keep, out.to(weight.dtype)
 
 
 def policy_loss(
@@ -113,7 +146,7 @@ def policy_loss(
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * ratio.clamp(1.0 - eps_lo, 1.0 + eps_hi)
     pg = torch.maximum(pg_unclipped, pg_clipped)
-    imp_weight, keep = behaviour_weight(prox, behav, algo.behav_imp_cap, algo.behav_imp_mode)
+    imp_weight, keep, out = behaviour_weight(prox, behav, mask, batch.seq_index, algo.mismatch)
     per_token = pg * imp_weight.detach() * keep
 
     kl_ref = None
@@ -127,8 +160,23 @@ def policy_loss(
             raise ValueError("entropy_coef != 0 needs the per-token entropy")
         per_token = per_token - algo.entropy_coef * entropy * keep
     loss = (batch.weights * per_token).sum()
-    return LossOutput(loss=loss, **_diagnostics(logp, prox, behav, ratio, pg_unclipped, pg_clipped, imp_weight,
-                                                 keep, mask, entropy, kl_ref))  # fmt: skip
+    result = LossOutput(loss=loss, **_diagnostics(logp, prox, behav, ratio, pg_unclipped, pg_clipped, imp_weight,
+                                                   mask, entropy, kl_ref))  # fmt: skip
+    if batch.prox_logp is not None:  # decoupled: the behaviour-proximal mismatch (none without a proximal policy)
+        _mismatch_diagnostics(result, prox, behav, mask, keep, out)
+    return result
+
+
+def _mismatch_diagnostics(result: LossOutput, prox: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor,
+                          keep: torch.Tensor, out: torch.Tensor) -> None:  # fmt: skip
+    """Token sums of k3 KL(behav || prox) = E[w - 1 - log w], of out-of-bounds and dropped tokens, and the trained
+    tokens' log w for the percentiles (`pipeline.trainer.metrics.mismatch_metrics`)."""
+    with torch.no_grad():
+        log_w = prox - behav
+        result.sums["mismatch/k3"] = ((torch.exp(log_w) - 1.0 - log_w) * mask).sum()
+        result.sums["mismatch/frac_clipped"] = (out * mask).sum()
+        result.sums["mismatch/frac_masked"] = ((1.0 - keep) * mask).sum()
+        result.per_token[MISMATCH_LOG_RATIO] = log_w[mask > 0]
 
 
 def _diagnostics(
@@ -139,7 +187,6 @@ def _diagnostics(
     pg_unclipped: torch.Tensor,
     pg_clipped: torch.Tensor,
     imp_weight: torch.Tensor,
-    keep: torch.Tensor,
     mask: torch.Tensor,
     entropy: torch.Tensor | None,
     kl_ref: torch.Tensor | None,
@@ -154,7 +201,6 @@ def _diagnostics(
             "clip_frac": ((pg_clipped > pg_unclipped).to(mask.dtype) * mask).sum(),
             "ratio": (ratio.detach() * mask).sum(),
             "imp_weight": (imp_weight * mask).sum(),
-            "imp_masked_frac": ((1.0 - keep) * mask).sum(),
             "prox_behav_diff": ((prox - behav).abs() * mask).sum(),
         }
         if entropy is not None:

@@ -17,6 +17,7 @@ from pipeline.metrics import JsonlSink, MetricsSink, MultiSink, NullSink, Tensor
 from pipeline.paths import RunPaths
 from pipeline.trainer.backend import MinibatchStats
 from pipeline.trainer.data import StepData
+from pipeline.trainer.losses import MISMATCH_LOG_RATIO
 from schemas.config import ArlConfig
 
 # Dense bf16 tensor-core peak per GPU (FLOP/s), from the vendors' datasheets (SXM parts).
@@ -128,6 +129,7 @@ def step_metrics(
     }
     out.update({k: v / trained for k, v in sums.items()})
     out.update(maxima)
+    out.update(ratio_percentiles(updates))
     if peak is not None and timings.compute_s > 0:
         # Forward + backward of the updates; the proximal/reference forwards are not counted.
         out["mfu"] = 6.0 * num_params * tokens / timings.compute_s / (peak * world_size)
@@ -145,3 +147,19 @@ def version_mix(data: StepData) -> dict[str, float]:
         "token_staleness_mean": float(every.mean()) if every.size else 0.0,
         "mixed_version_samples": int(mixed),
     }
+
+
+RATIO_PERCENTILES = (1, 50, 99)
+
+
+def ratio_percentiles(updates: list[MinibatchStats]) -> dict[str, float]:
+    """Min, max and percentiles of the behaviour-proximal ratio pi_prox / pi_behav over every trained token of the
+    step (each token counts once, whichever minibatch, micro-batch or rank it was in); {} when not decoupled."""
+    parts = [u.values[MISMATCH_LOG_RATIO] for u in updates if MISMATCH_LOG_RATIO in u.values]
+    if not parts or not sum(p.size for p in parts):
+        return {}
+    ratio = np.exp(np.concatenate(parts).astype(np.float64))
+    out = {"mismatch/ratio_min": float(ratio.min()), "mismatch/ratio_max": float(ratio.max())}
+    for q, value in zip(RATIO_PERCENTILES, np.percentile(ratio, RATIO_PERCENTILES), strict=True):
+        out[f"mismatch/ratio_p{q}"] = float(value)
+    return out

@@ -69,6 +69,7 @@ class MicroBatch:
             behav_logp=t.behav_logp.to(device),
             prox_logp=None if t.prox_logp is None else t.prox_logp.to(device),
             ref_logp=None if t.ref_logp is None else t.ref_logp.to(device),
+            seq_index=None if t.seq_index is None else t.seq_index.to(device),
         )  # fmt: skip
         return MicroBatch(self.input_ids.to(device), self.position_ids.to(device), self.targets.to(device), moved,
                           self.sample_index, self.lengths)  # fmt: skip
@@ -145,6 +146,7 @@ def build_micro_batch(
         weights=torch.from_numpy(np.concatenate(w).astype(np.float32)),
         advantages=torch.from_numpy(np.concatenate(adv).astype(np.float32)),
         behav_logp=torch.from_numpy(np.concatenate(behav)),
+        seq_index=torch.from_numpy(np.repeat(np.arange(len(members)), [len(samples[i].input_ids) for i in members])),
     )
     return MicroBatch(
         input_ids=torch.from_numpy(np.concatenate(ids).astype(np.int64))[None],
@@ -179,7 +181,8 @@ def build_padded_micro_batch(
         adv[r] = mask[r] * advantages[i]
     tokens = TokenBatch(mask=torch.from_numpy(mask.ravel()), weights=torch.from_numpy(w.ravel()),
                         advantages=torch.from_numpy(adv.ravel()),
-                        behav_logp=torch.from_numpy((behav * mask).ravel()))  # fmt: skip
+                        behav_logp=torch.from_numpy((behav * mask).ravel()),
+                        seq_index=torch.arange(rows).repeat_interleave(width))  # fmt: skip
     return MicroBatch(
         input_ids=torch.from_numpy(ids),
         position_ids=torch.arange(width, dtype=torch.int64).expand(rows, width).contiguous(),

@@ -150,6 +150,7 @@ class TorchBackend:
         sums: dict[str, float] = defaultdict(float)
         maxima: dict[str, float] = defaultdict(lambda: float("-inf"))
         total_loss, tokens = 0.0, 0
+        values: dict[str, list[torch.Tensor]] = defaultdict(list)
         for micro in micro_batches:
             micro = micro.to(self.device)
             logits = self._logits(self.model, micro)
@@ -168,13 +169,16 @@ class TorchBackend:
                 sums[k] += float(v)
             for k, v in out.maxima.items():
                 maxima[k] = max(maxima[k], float(v))
+            for k, v in out.per_token.items():
+                values[k].append(v.float().cpu())
         grad_norm = torch.nn.utils.clip_grad_norm_(lora.trainable(self.model), self.config.trainer.optimizer.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
         self.scheduler.step()
-        return MinibatchStats(total_loss, float(grad_norm), lr, tokens, dict(sums), dict(maxima))
+        return MinibatchStats(total_loss, float(grad_norm), lr, tokens, dict(sums), dict(maxima),
+                              {k: torch.cat(v).numpy() for k, v in values.items()})  # fmt: skip
 
     # -- export ---------------------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -10,17 +10,51 @@ from pydantic_core import PydanticCustomError
 from schemas.config.base import UNSUPPORTED, Block
 
 
+class MismatchConfig(Block):
+    """Training-inference mismatch correction: what the decoupled objective does with the behaviour importance
+    weight w = pi_prox / pi_behav (docs/trainer.md, "Training-inference mismatch")."""
+
+    level: Literal["token", "sequence"] = "token"
+    """`token`: each token's own w_t; `sequence`: one weight per sample, the geometric mean of its tokens' ratios
+    exp(mean_t log w_t), for all its tokens (the product would over- or underflow on long samples)."""
+    mode: Literal["truncate", "mask"] = "mask"
+    """`truncate`: the weight becomes min(w, high) (truncated importance sampling); `mask`: tokens (level token) or
+    whole samples (level sequence) whose weight leaves [low, high] are dropped from the loss (masked importance
+    sampling)."""
+    low: float | None = Field(None, ge=0)
+    """`mask` only: drop below this weight too; `None` = no lower bound."""
+    high: float | None = Field(5.0, gt=0)
+    """Truncation cap (`truncate`) or upper bound (`mask`); `None` = no bound (plain importance weight)."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> MismatchConfig:
+        if self.low is not None and self.mode != "mask":
+            raise PydanticCustomError(
+                UNSUPPORTED, "trainer.algorithm.mismatch.low needs mode=mask (truncation caps from above only)", {}
+            )
+        if self.low is not None and self.high is not None and self.low >= self.high:
+            raise PydanticCustomError(
+                UNSUPPORTED, "trainer.algorithm.mismatch: low ({low}) must be below high ({high})",
+                {"low": self.low, "high": self.high},
+            )  # fmt: skip
+        return self
+
+
 class AlgorithmConfig(Block):
+    renamed_keys: ClassVar[dict[str, str]] = {
+        "behav_imp_cap": "write trainer.algorithm.mismatch.high (null = uncapped)",
+        "behav_imp_mode": "write trainer.algorithm.mismatch.mode: truncate (was cap) or mask",
+    }
+
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
     """`grpo` = (r - mean) / std per group; `drgrpo` = r - mean (no std); `rloo` = leave-one-out baseline."""
     clip_eps: float = Field(0.2, gt=0)
     """PPO clip range (lower side)."""
     clip_eps_high: float | None = None
     """Upper clip range; `None` = `clip_eps` (set higher for clip-higher)."""
-    behav_imp_cap: float | None = 5.0
-    """Cap on the behaviour importance weight pi_prox/pi_behav in the decoupled objective; `None` = uncapped."""
-    behav_imp_mode: Literal["cap", "mask"] = "mask"
-    """`cap` truncates the weight at the cap; `mask` drops tokens above it."""
+    mismatch: MismatchConfig = Field(default_factory=MismatchConfig)
+    """Correction of the behaviour importance weight pi_prox/pi_behav in the decoupled objective (the default, token
+    level masked above 5, is AReaL's)."""
     decoupled: bool = True
     """Recompute proximal log-probs with the current weights (decoupled PPO) instead of trusting behaviour ones."""
     loss_agg: Literal["token", "sequence"] = "token"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeline.trainer.losses import TokenBatch, entropy_from_logits, gather_logprobs, kl_k3, policy_loss
-from schemas.config.trainer import AlgorithmConfig
+from schemas.config.trainer import AlgorithmConfig, MismatchConfig
 
 # (logp, prox, behav, advantage, weight, mask): one row per token
 TOKENS = [
@@ -36,12 +36,12 @@ def reference_loss_and_grad(algo: AlgorithmConfig) -> tuple[float, list[float]]:
         else:
             pg, dpg = clipped, (-a * r if 1 - eps_lo < r < 1 + eps_hi else 0.0)
         imp = math.exp(p - b)
-        keep = 1.0
-        if algo.behav_imp_cap is not None:
-            if algo.behav_imp_mode == "mask":
-                keep = 1.0 if imp <= algo.behav_imp_cap else 0.0
+        keep, cap = 1.0, algo.mismatch.high
+        if cap is not None:
+            if algo.mismatch.mode == "mask":
+                keep = 1.0 if imp <= cap else 0.0
             else:
-                imp = min(imp, algo.behav_imp_cap)
+                imp = min(imp, cap)
         k3 = math.exp(ref - x) - (ref - x) - 1
         dk3 = 1 - math.exp(ref - x)
         term = pg * imp * keep + algo.kl_coef * k3 * keep - algo.entropy_coef * ent * keep
@@ -67,9 +67,11 @@ def run_loss(algo: AlgorithmConfig) -> tuple[float, list[float], dict]:
 @pytest.mark.parametrize(
     "algo",
     [
-        AlgorithmConfig(clip_eps=0.2, clip_eps_high=0.28, behav_imp_cap=5.0, behav_imp_mode="mask"),
-        AlgorithmConfig(clip_eps=0.2, behav_imp_cap=5.0, behav_imp_mode="cap", kl_coef=0.1, entropy_coef=0.01),
-        AlgorithmConfig(clip_eps=0.1, behav_imp_cap=None, kl_coef=0.5),
+        AlgorithmConfig(clip_eps=0.2, clip_eps_high=0.28, mismatch=MismatchConfig(high=5.0, mode="mask")),
+        AlgorithmConfig(
+            clip_eps=0.2, mismatch=MismatchConfig(high=5.0, mode="truncate"), kl_coef=0.1, entropy_coef=0.01
+        ),
+        AlgorithmConfig(clip_eps=0.1, mismatch=MismatchConfig(high=None), kl_coef=0.5),
     ],
     ids=["mask-cliphigher", "cap-kl-entropy", "uncapped-kl"],
 )
@@ -84,10 +86,12 @@ def test_loss_and_gradient_match_independent_reference(algo: AlgorithmConfig) ->
 
 
 def test_diagnostics_count_clipping_and_masking() -> None:
-    sums = run_loss(AlgorithmConfig(clip_eps=0.2, clip_eps_high=0.28, behav_imp_cap=5.0, behav_imp_mode="mask"))[2]
+    sums = run_loss(AlgorithmConfig(clip_eps=0.2, clip_eps_high=0.28, mismatch=MismatchConfig(high=5.0, mode="mask")))[
+        2
+    ]
     assert float(sums["tokens"]) == 6.0
     assert float(sums["clip_frac"]) == 2.0  # tokens 0 and 3
-    assert float(sums["imp_masked_frac"]) == 1.0  # token 5
+    assert float(sums["mismatch/frac_masked"]) == 1.0  # token 5
 
 
 def test_without_prox_the_ratio_is_against_behaviour() -> None:

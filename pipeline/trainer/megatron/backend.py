@@ -179,6 +179,7 @@ class MegatronBackend:
         sums: dict[str, float] = defaultdict(float)
         maxima: dict[str, float] = defaultdict(lambda: float("-inf"))
         losses: list[float] = []
+        values: dict[str, list[torch.Tensor]] = defaultdict(list)
 
         def on_logits(i: int, logits: torch.Tensor) -> torch.Tensor:
             micro = micros[i].to(self.device)
@@ -191,6 +192,8 @@ class MegatronBackend:
                 sums[k] += float(v)
             for k, v in out.maxima.items():
                 maxima[k] = max(maxima[k], float(v))
+            for k, v in out.per_token.items():
+                values[k].append(v.float().cpu())
             return out.loss
 
         self._run(self.model, micros, on_logits, backward=True)
@@ -199,7 +202,9 @@ class MegatronBackend:
         tokens = sum(m.num_tokens for m in micros) if self.rank == self.reporter else 0
         lr = float(self.scheduler.get_last_lr()[0])
         self.scheduler.step()
-        return MinibatchStats(loss, grad_norm, lr, tokens, sums_out, maxima_out)
+        # Per-token values from the reporter only, like the sums (the other MP ranks saw the same rows or none).
+        per_token = {k: torch.cat(v).numpy() for k, v in values.items()} if self.rank == self.reporter else {}
+        return MinibatchStats(loss, grad_norm, lr, tokens, sums_out, maxima_out, per_token)
 
     def _zero_grad(self) -> None:
         if self.ddp is not None:
