@@ -141,6 +141,31 @@ def inspect(
     return inspect_path(path, step=step, decode=decode, fmt=fmt.value, output=output, limit=limit, task=task)
 
 
+class DiffFormat(StrEnum):
+    table = "table"
+    json = "json"
+
+
+@app.command()
+@_friendly
+def diff(
+    run_a: Path = typer.Argument(..., help="The first run dir (A)."),
+    run_b: Path = typer.Argument(..., help="The second run dir (B)."),
+    fmt: DiffFormat = typer.Option(DiffFormat.table, "--format", help="table (terminal) or json (scripts)."),
+    plot: Path | None = typer.Option(None, "--plot", help="Where the PNG of the curves goes (default: ./arl-diff-A-vs-B.png)."),
+    no_plot: bool = typer.Option(False, "--no-plot", help="Write no PNG."),
+    window: int = typer.Option(10, "--window", help="Steps per window when judging divergence."),
+    sigmas: float = typer.Option(3.0, "--sigmas", help="Standard errors a window's difference must exceed."),
+    consecutive: int = typer.Option(10, "--consecutive", help="Windows in a row beyond it before a curve diverged."),
+) -> int:
+    """Two runs side by side: config differences, per-step curves, the first step they diverge beyond noise."""
+    from pipeline.diff import diff_runs
+    from pipeline.divergence import NoiseRule
+
+    rule = NoiseRule(window=window, sigmas=sigmas, consecutive=consecutive)
+    return diff_runs(run_a, run_b, fmt=fmt.value, plot=plot, no_plot=no_plot, rule=rule)
+
+
 class EvalFormat(StrEnum):
     table = "table"
     json = "json"
