@@ -152,7 +152,7 @@ def diff(
     run_a: Path = typer.Argument(..., help="The first run dir (A)."),
     run_b: Path = typer.Argument(..., help="The second run dir (B)."),
     fmt: DiffFormat = typer.Option(DiffFormat.table, "--format", help="table (terminal) or json (scripts)."),
-    plot: Path | None = typer.Option(None, "--plot", help="Where the PNG of the curves goes (default: ./arl-diff-A-vs-B.png)."),
+    plot: Path | None = typer.Option(None, "--plot", help="Where the PNG goes (default: ./arl-diff-<A>-vs-<B>.png)."),
     no_plot: bool = typer.Option(False, "--no-plot", help="Write no PNG."),
     window: int = typer.Option(10, "--window", help="Steps per window when judging divergence."),
     sigmas: float = typer.Option(3.0, "--sigmas", help="Standard errors a window's difference must exceed."),

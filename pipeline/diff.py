@@ -1,88 +1,25 @@
-"""`arl diff RUN_A RUN_B`: what differs between two runs' configs, and where their curves part ways.
-
-Reads only what each run dir already holds: the resolved `config.yaml` `arl launch` froze there, and
-the metrics files (`metrics/rollout.jsonl`, `train.jsonl`, `eval.jsonl`). The config is compared as
-the YAML it is (dotted keys), not validated, so a run made by an older arl still compares. Whether a
-curve diverged is decided by `pipeline.divergence` (its docstring states the rule and its limits).
-The terminal view and the PNG are drawn by `pipeline.diff_view`.
-"""
+"""`arl diff RUN_A RUN_B`: two runs side by side, as tables and paired sparklines in the terminal, one PNG of
+every curve, or JSON. What is compared and how divergence is judged: `pipeline.run_compare`."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
-from pipeline.divergence import Divergence, NoiseRule, first_divergence
+from pipeline.divergence import Divergence, NoiseRule
 from pipeline.errors import ArlError
-from pipeline.paths import RunPaths
-from pipeline.run_progress import StepRecord, records_of
+from pipeline.handoff import write_bytes_atomic
+from pipeline.run_compare import Curve, DiffReport, compare, default_plot_name, load_side, report_json
 
-IDENTITY_KEYS = ("experiment_name", "trial_name", "fileroot")
-"""Keys that name a run rather than configure it: they differ between any two runs."""
 FORMATS = ("table", "json")
-
-
-@dataclass(frozen=True)
-class RunSide:
-    label: str
-    """`A` or `B`."""
-    paths: RunPaths
-    config: dict[str, Any]
-
-    @property
-    def name(self) -> str:
-        return f"{self.config.get('experiment_name', '?')}/{self.config.get('trial_name', '?')}"
-
-
-@dataclass(frozen=True)
-class ConfigChange:
-    key: str
-    a: Any
-    b: Any
-
-
-ABSENT = "(absent)"
-"""Shown for a key one config does not have (a run made by another arl version)."""
-
-
-@dataclass
-class Curve:
-    name: str
-    source: str
-    """`rollout`, `train` or `eval` (x is the weight version for eval, the step otherwise)."""
-    a: dict[int, float]
-    b: dict[int, float]
-    divergence: Divergence | None = None
-    note: str = ""
-
-    def common(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        steps = sorted(self.a.keys() & self.b.keys())
-        return np.array(steps), np.array([self.a[s] for s in steps]), np.array([self.b[s] for s in steps])
-
-
-@dataclass
-class DiffReport:
-    a: RunSide
-    b: RunSide
-    identity: dict[str, tuple[Any, Any]]
-    """Identity keys and keys whose values differ only by the runs' own paths."""
-    changes: list[ConfigChange]
-    curves: list[Curve]
-    rule: NoiseRule
-    plot: Path | None = None
-    notes: list[str] = field(default_factory=list)
-
-    def first_divergence(self) -> Curve | None:
-        diverged = [c for c in self.curves if c.divergence is not None]
-        return min(diverged, key=lambda c: c.divergence.step if c.divergence else 0, default=None)
+SPARK = "▁▂▃▄▅▆▇█"
+SPARK_WIDTH = 32
 
 
 def diff_runs(run_a: Path, run_b: Path, *, fmt: str = "table", plot: Path | None = None, no_plot: bool = False,
@@ -100,193 +37,172 @@ def diff_runs(run_a: Path, run_b: Path, *, fmt: str = "table", plot: Path | None
         raise ArlError(f"RUN_A and RUN_B are the same run dir ({a.paths.root}): name two different runs")
     report = compare(a, b, rule)
     if not no_plot and (plot is not None or fmt == "table"):
-        from pipeline.diff_view import write_plot
-
         report.plot = write_plot(report, plot or Path.cwd() / default_plot_name(a, b))
     if fmt == "json":
         sys.stdout.write(json.dumps(report_json(report), indent=2) + "\n")
     else:
-        from pipeline.diff_view import render_report
-
         render_report(report)
     return 0
 
 
-def load_side(label: str, path: Path) -> RunSide:
-    """A run dir's resolved config; a one-line error for anything that is not a run dir."""
-    paths = RunPaths(Path(path).resolve())
-    if not paths.root.is_dir():
-        raise ArlError(f"RUN_{label} {path} is not a directory")
-    if not paths.config.exists():
-        raise ArlError(f"RUN_{label} {path} is not a run dir (no config.yaml; `arl launch` writes one)")
-    try:
-        config = yaml.safe_load(paths.config.read_text())
-    except yaml.YAMLError as exc:
-        raise ArlError(f"{paths.config}: not valid YAML ({exc})") from None
-    if not isinstance(config, dict):
-        raise ArlError(f"{paths.config}: not a YAML mapping")
-    return RunSide(label, paths, config)
+def render_report(report: DiffReport) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    from pipeline.console import people_console
+
+    console = people_console(pipe_width=140)
+    for side in (report.a, report.b):
+        console.print(f"{side.label}: {side.paths.root}  ({side.name})", markup=False, highlight=False)
+    console.print(identity_line(report), style="dim", markup=False, highlight=False)
+    if report.changes:
+        table = Table(title=f"config: {len(report.changes)} difference(s)", title_justify="left")
+        for header in ("key", "A", "B"):
+            table.add_column(header, overflow="fold")
+        for change in report.changes:
+            table.add_row(Text(change.key), Text(_value(change.a)), Text(_value(change.b)))
+        console.print(table)
+    else:
+        console.print("config: identical (apart from the identity above)", markup=False, highlight=False)
+    if report.curves:
+        console.print(curve_table(report))
+    console.print(divergence_line(report), markup=False, highlight=False)
+    for note in report.notes:
+        console.print(f"note: {note}", style="yellow", markup=False, highlight=False)
+    if report.plot:
+        console.print(f"plot: {report.plot}", markup=False, highlight=False)
 
 
-def compare(a: RunSide, b: RunSide, rule: NoiseRule) -> DiffReport:
-    identity, changes = config_diff(a, b)
-    curves = metric_curves(a.paths, b.paths)
-    for curve in curves:
-        steps, va, vb = curve.common()
-        if not curve.a or not curve.b:
-            curve.note = f"only in {'A' if curve.a else 'B'}"
-        elif steps.size < rule.min_steps:
-            curve.note = f"{steps.size} common points, {rule.min_steps} needed to judge divergence"
-        else:
-            curve.divergence = first_divergence(steps, va, vb, rule)
-    report = DiffReport(a, b, identity, changes, curves, rule)
-    if not curves:
-        report.notes.append("neither run has metrics (metrics/*.jsonl): only the configs are compared")
-    return report
+def identity_line(report: DiffReport) -> str:
+    """`identity: experiment_name demo = demo · trial_name t1 ≠ t2 · ...` (what names a run, not how it runs)."""
+    parts = []
+    for key, (va, vb) in report.identity.items():
+        parts.append(f"{key} {_value(va)}" if va == vb else f"{key} {_value(va)} ≠ {_value(vb)}")
+    return "identity: " + " · ".join(parts)
 
 
-# -- configs ------------------------------------------------------------------------------------
-def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested mappings as dotted keys; lists and scalars are leaves (a list is one value)."""
-    if isinstance(value, dict) and value:
-        out: dict[str, Any] = {}
-        for key, sub in value.items():
-            out.update(flatten(sub, f"{prefix}.{key}" if prefix else str(key)))
-        return out
-    return {prefix: value}
+def curve_table(report: DiffReport) -> Any:
+    """One row per curve: both runs' sparklines on one scale and one step axis, the mean of the last
+    `window` common points of each, and where the curves diverged."""
+    from rich.table import Table
+    from rich.text import Text
+
+    w = report.rule.window
+    title = (f"curves: A over B on one scale per curve, x = step (eval: weight version); end = mean of the last {w} "
+             "common points (eval: the last common version)")  # fmt: skip
+    table = Table(title=title, title_justify="left")
+    for header, justify in (("curve", "left"), ("A / B", "left"), ("A end", "right"), ("B end", "right"),
+                            ("diverged at", "left")):  # fmt: skip
+        table.add_column(header, justify=justify, no_wrap=header != "diverged at")  # type: ignore[arg-type]
+    for curve in report.curves:
+        spark_a, spark_b = sparklines(curve)
+        last = 1 if curve.source == "eval" else w
+        last_a, last_b = _last_mean(curve, "a", last), _last_mean(curve, "b", last)
+        table.add_row(Text(curve.name), Text(f"{spark_a}\n{spark_b}"), Text(f"{_num(last_a)}"),
+                      Text(f"{_num(last_b)}"), Text(_diverged_cell(curve)))  # fmt: skip
+    return table
 
 
-def config_diff(a: RunSide, b: RunSide) -> tuple[dict[str, tuple[Any, Any]], list[ConfigChange]]:
-    """(identity, changes): identity keys, plus keys whose values differ only by the runs' own paths
-    (`model.path` under each run's fileroot), go to identity; every other difference is a change."""
-    flat_a, flat_b = flatten(a.config), flatten(b.config)
-    prefixes = [(str(a.paths.root), str(b.paths.root)), (str(a.config.get("fileroot", "")), str(b.config.get("fileroot", "")))]
-    identity: dict[str, tuple[Any, Any]] = {k: (flat_a.get(k), flat_b.get(k)) for k in IDENTITY_KEYS}
-    changes = []
-    for key in sorted(flat_a.keys() | flat_b.keys(), key=_key_order(flat_a, flat_b)):
-        if key in IDENTITY_KEYS:
-            continue
-        va, vb = flat_a.get(key, ABSENT), flat_b.get(key, ABSENT)
-        if va == vb:
-            continue
-        if _same_but_for_prefix(va, vb, prefixes):
-            identity[key] = (va, vb)
-        else:
-            changes.append(ConfigChange(key, va, vb))
-    return identity, changes
+def _diverged_cell(curve: Curve) -> str:
+    d = curve.divergence
+    if d is not None:
+        return f"step {d.step} (B−A {d.diff:+.3g}, {_z(d)})"
+    return curve.note or "no (within noise)"
 
 
-def _key_order(flat_a: dict[str, Any], flat_b: dict[str, Any]) -> Callable[[str], int]:
-    """Keys in the order config.yaml lists them (A's, then keys only B has)."""
-    order = {k: i for i, k in enumerate([*flat_a, *(k for k in flat_b if k not in flat_a)])}
-    return lambda key: order[key]
-
-
-def _same_but_for_prefix(va: Any, vb: Any, prefixes: list[tuple[str, str]]) -> bool:
-    if not (isinstance(va, str) and isinstance(vb, str)):
-        return False
-    for pa, pb in prefixes:
-        if pa and pb and pa != pb and va.startswith(pa) and vb.startswith(pb) and va[len(pa) :] == vb[len(pb) :]:
-            return True
-    return False
-
-
-# -- curves -------------------------------------------------------------------------------------
-STEP_CURVES: tuple[tuple[str, str, Callable[[StepRecord], float | None]], ...] = (
-    ("reward", "rollout", lambda r: r.reward),
-    ("reward std", "rollout", lambda r: r.number("rollout", "reward_std")),
-    ("length", "rollout", lambda r: r.number("rollout", "sample_len_mean")),
-    ("sampled", "rollout", lambda r: r.sampled_per_sample),
-    ("loss", "train", lambda r: r.number("train", "loss")),
-    ("kl ref", "train", lambda r: r.number("train", "kl_ref")),
-    ("kl behav k3", "train", lambda r: r.number("train", "kl_behav_k3")),
-    ("entropy", "train", lambda r: r.number("train", "entropy")),
-    ("grad norm", "train", lambda r: r.number("train", "grad_norm")),
-    ("clip frac", "train", lambda r: r.number("train", "clip_frac")),
-)
-"""The curves every run has, in the order shown: `length` is tokens per sample (prompt and completion),
-`sampled` completion tokens per sample, `kl ref` the KL to the reference model (only with `kl_coef`),
-`kl behav k3` the trainer's k3 estimate of KL(behaviour || current). Per-agent (`agent/…`) and per-task
-(`task/<name>/reward_mean`) rollout series follow, then the eval sets' figures."""
-
-
-def metric_curves(pa: RunPaths, pb: RunPaths) -> list[Curve]:
-    """Every curve either run logged, per step (rollout, train) or per weight version (eval)."""
-    ra, rb = records_of(pa), records_of(pb)
-    curves = [Curve(name, source, _series(ra, value), _series(rb, value)) for name, source, value in STEP_CURVES]
-    extra = sorted({k for r in [*ra, *rb] for k in r.rollout if k.startswith("agent/") or _is_task_reward(k)})
-    for key in extra:
-        value: Callable[[StepRecord], float | None] = lambda r, key=key: r.number("rollout", key)  # noqa: E731
-        curves.append(Curve(key, "rollout", _series(ra, value), _series(rb, value)))
-    curves += eval_curves(pa, pb)
-    return [c for c in curves if c.a or c.b]
-
-
-def _is_task_reward(key: str) -> bool:
-    return key.startswith("task/") and key.endswith("/reward_mean") and key.count("/") == 2
-
-
-def _series(records: list[StepRecord], value: Callable[[StepRecord], float | None]) -> dict[int, float]:
-    out = {}
-    for record in records:
-        v = value(record)
-        if v is not None and math.isfinite(v):
-            out[record.step] = float(v)
-    return out
-
-
-def eval_curves(pa: RunPaths, pb: RunPaths) -> list[Curve]:
-    """`eval <set> <figure>` per weight version: the mean reward and every pass@k the sets logged."""
-    from pipeline.eval.results import latest_evaluations
-
-    per_run = []
-    for paths in (pa, pb):
-        series: dict[tuple[str, str], dict[int, float]] = {}
-        for record in latest_evaluations(paths):
-            for key, value in record.items():
-                if (key == "reward_mean" or key.startswith("pass@")) and isinstance(value, int | float):
-                    series.setdefault((str(record["set"]), key), {})[int(record["version"])] = float(value)
-        per_run.append(series)
-    keys = sorted(per_run[0].keys() | per_run[1].keys())
-    return [Curve(f"eval {s} {k}", "eval", per_run[0].get((s, k), {}), per_run[1].get((s, k), {})) for s, k in keys]
-
-
-# -- output -------------------------------------------------------------------------------------
-def default_plot_name(a: RunSide, b: RunSide) -> str:
-    def slug(side: RunSide) -> str:
-        return "".join(c if c.isalnum() or c in "-_." else "_" for c in side.paths.root.name)
-
-    return f"arl-diff-{slug(a)}-vs-{slug(b)}.png"
-
-
-def report_json(report: DiffReport) -> dict[str, Any]:
-    def side(s: RunSide) -> dict[str, Any]:
-        return {"path": str(s.paths.root), "name": s.name}
-
-    def div(d: Divergence | None) -> dict[str, Any] | None:
-        if d is None:
-            return None
-        return {"step": d.step, "window_start": d.window_start, "diff": d.diff, "se": d.se, "z": _finite(d.z)}
-
+def divergence_line(report: DiffReport) -> str:
+    rule = report.rule
+    how = (f"a {rule.window}-step window's mean differs by more than {rule.sigmas:g} standard errors (from each "
+           f"run's own step-to-step noise) in {rule.consecutive} windows in a row")  # fmt: skip
     first = report.first_divergence()
-    return {
-        "a": side(report.a), "b": side(report.b),
-        "identity": {k: {"a": va, "b": vb} for k, (va, vb) in report.identity.items()},
-        "config": [{"key": c.key, "a": c.a, "b": c.b} for c in report.changes],
-        "rule": {"window": report.rule.window, "sigmas": report.rule.sigmas, "consecutive": report.rule.consecutive},
-        "curves": [{"name": c.name, "source": c.source, "x": "version" if c.source == "eval" else "step",
-                    "a": _points(c.a), "b": _points(c.b), "divergence": div(c.divergence), "note": c.note or None}
-                   for c in report.curves],
-        "first_divergence": None if first is None else {"curve": first.name, **(div(first.divergence) or {})},
-        "plot": str(report.plot) if report.plot else None,
-        "notes": report.notes,
-    }  # fmt: skip
+    if first is None or first.divergence is None:
+        return f"no curve diverged beyond noise ({how})"
+    d = first.divergence
+    x = "version" if first.source == "eval" else "step"
+    return (f"first divergence: {first.name} at {x} {d.step} (window {d.window_start}-{d.step}: B−A {d.diff:+.4g}, "
+            f"{_z(d)}); diverged = {how}")  # fmt: skip
 
 
-def _points(series: dict[int, float]) -> dict[str, list[Any]]:
-    steps = sorted(series)
-    return {"steps": steps, "values": [series[s] for s in steps]}
+def sparklines(curve: Curve, width: int = SPARK_WIDTH) -> tuple[str, str]:
+    """Both runs as block characters over the same x range and y scale (a blank: no point in that column)."""
+    values = [*curve.a.values(), *curve.b.values()]
+    xs = [*curve.a, *curve.b]
+    lo, hi = min(values), max(values)
+    x0, x1 = min(xs), max(xs)
+    columns = min(width, x1 - x0 + 1)
+
+    def line(series: dict[int, float]) -> str:
+        cells: list[list[float]] = [[] for _ in range(columns)]
+        for x, v in series.items():
+            cells[min(columns - 1, (x - x0) * columns // (x1 - x0 + 1))].append(v)
+        chars = []
+        for cell in cells:
+            if not cell:
+                chars.append(" ")
+                continue
+            level = 0 if hi == lo else int((np.mean(cell) - lo) / (hi - lo) * (len(SPARK) - 1) + 0.5)
+            chars.append(SPARK[level])
+        return "".join(chars)
+
+    return line(curve.a), line(curve.b)
 
 
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
+def write_plot(report: DiffReport, target: Path) -> Path:
+    """Every curve in one grid, A and B overlaid, a dotted line where they diverged; written atomically."""
+    import io
+
+    from matplotlib.figure import Figure
+
+    curves = report.curves
+    cols = 3
+    rows = max(1, math.ceil(len(curves) / cols))
+    fig = Figure(figsize=(5.2 * cols, 2.9 * rows + 0.6), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for ax, curve in zip(axes.flat, curves, strict=False):
+        for series, label, colour in ((curve.a, report.a, "tab:blue"), (curve.b, report.b, "tab:orange")):
+            steps = sorted(series)
+            ax.plot(steps, [series[s] for s in steps], color=colour, lw=1.2, label=f"{label.label}: {label.name}")
+        title = curve.name
+        if (d := curve.divergence) is not None:
+            ax.axvspan(d.window_start, d.step, color="tab:red", alpha=0.08)  # the split is somewhere in here
+            ax.axvline(d.step, color="tab:red", ls=":", lw=1.2)
+            title += f"  (diverged at {d.step})"
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("weight version" if curve.source == "eval" else "step", fontsize=8)
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(curves) :]:
+        ax.set_visible(False)
+    if curves:
+        handles, labels = axes.flat[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="outside upper center", ncols=2, fontsize=9)
+    else:
+        axes.flat[0].text(0.5, 0.5, "no metrics in either run", ha="center", va="center")
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    target = Path(os.path.abspath(target))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(target, buffer.getvalue())
+    return target
+
+
+def _last_mean(curve: Curve, side: str, window: int) -> float | None:
+    steps, va, vb = curve.common()
+    values = va if side == "a" else vb
+    if not steps.size:  # no common step: the run's own last points
+        series = curve.a if side == "a" else curve.b
+        values = np.array([series[s] for s in sorted(series)])
+    return float(values[-window:].mean()) if values.size else None
+
+
+def _z(d: Divergence) -> str:
+    return f"{abs(d.z):.1f} se" if math.isfinite(d.z) else "noiseless curves"
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def _value(value: Any) -> str:
+    """As config.yaml spells it (true, null, [a, b]); strings bare, never cut (paths are copied from here)."""
+    return value if isinstance(value, str) else json.dumps(value)
