@@ -131,14 +131,16 @@ def inspect(
     step: int | None = typer.Option(None, "--step", help="Only this step (for a run dir)."),
     decode: bool = typer.Option(False, "--decode", help="Render every turn with the shard's tokenizer."),
     fmt: Format = typer.Option(Format.table, "--format", help="table (terminal), json (scripts) or html (one page)."),
-    output: Path | None = typer.Option(None, "--output", "-o", help="Where --format html writes."),
-    limit: int = typer.Option(50, "--limit", help="Most samples listed (summaries cover all)."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="html: a directory, or FILE.html for one step."),
+    limit: int | None = typer.Option(None, "--limit", help="Most samples listed: 50, or 500 per html page."),
     task: str | None = typer.Option(None, "--task", help="Only the samples of this task (rollout.tasks)."),
+    mismatch: Path | None = typer.Option(None, "--mismatch", help="html: colour tokens by an arl replay Parquet."),
 ) -> int:
     """Offline view of trajectory shards: samples, decoded turns, masks, reward and length statistics."""
     from pipeline.inspect import inspect_path
 
-    return inspect_path(path, step=step, decode=decode, fmt=fmt.value, output=output, limit=limit, task=task)
+    return inspect_path(path, step=step, decode=decode, fmt=fmt.value, output=output, limit=limit, task=task,
+                        mismatch=mismatch)  # fmt: skip
 
 
 class DiffFormat(StrEnum):

@@ -96,6 +96,11 @@ class RunPaths:
     def step_manifest(self, step: int) -> Path:
         return self.step_dir(step) / MANIFEST
 
+    # -- replay ---------------------------------------------------------------------------
+    def replay_step(self, step: int) -> Path:
+        """`arl replay`'s per-token engine vs trainer log-probs of step k (read by the trajectory viewer)."""
+        return self.root / "replay" / f"{step_name(step)}.parquet"
+
     # -- evaluation -----------------------------------------------------------------------
     @property
     def evaluations(self) -> Path:
