@@ -56,6 +56,13 @@ class Format(StrEnum):
     html = "html"
 
 
+class EvalFormat(StrEnum):
+    """table or json: `arl eval` and `arl diff`."""
+
+    table = "table"
+    json = "json"
+
+
 @app.command()
 @_friendly
 def launch(
@@ -143,17 +150,12 @@ def inspect(
                         mismatch=mismatch)  # fmt: skip
 
 
-class DiffFormat(StrEnum):
-    table = "table"
-    json = "json"
-
-
 @app.command()
 @_friendly
 def diff(
     run_a: Path = typer.Argument(..., help="The first run dir (A)."),
     run_b: Path = typer.Argument(..., help="The second run dir (B)."),
-    fmt: DiffFormat = typer.Option(DiffFormat.table, "--format", help="table (terminal) or json (scripts)."),
+    fmt: EvalFormat = typer.Option(EvalFormat.table, "--format", help="table (terminal) or json (scripts)."),
     plot: Path | None = typer.Option(None, "--plot", help="Where the PNG goes (default: ./arl-diff-<A>-vs-<B>.png)."),
     no_plot: bool = typer.Option(False, "--no-plot", help="Write no PNG."),
     window: int = typer.Option(10, "--window", help="Steps per window when judging divergence."),
@@ -166,11 +168,6 @@ def diff(
 
     rule = NoiseRule(window=window, sigmas=sigmas, consecutive=consecutive)
     return diff_runs(run_a, run_b, fmt=fmt.value, plot=plot, no_plot=no_plot, rule=rule)
-
-
-class EvalFormat(StrEnum):
-    table = "table"
-    json = "json"
 
 
 @app.command("eval")

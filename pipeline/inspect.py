@@ -41,6 +41,10 @@ def inspect_path(
     if mismatch is not None and fmt != "html":
         raise InspectError("--mismatch colours the viewer's tokens: use it with --format html")
     html = fmt == "html"
+    if mismatch is not None:  # a wrong replay file is reported before any step is read
+        from pipeline.inspect_html import read_mismatch
+
+        read_mismatch(mismatch)
     # The viewer reads each step's tokens when it writes that step's page, never all steps at once.
     views = load_views(Path(path), step=step, with_tokens=decode and not html, limit=limit or LIMIT)
     if task is not None:
