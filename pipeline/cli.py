@@ -56,6 +56,13 @@ class Format(StrEnum):
     html = "html"
 
 
+class EvalFormat(StrEnum):
+    """table or json: `arl eval` and `arl diff`."""
+
+    table = "table"
+    json = "json"
+
+
 @app.command()
 @_friendly
 def launch(
@@ -131,14 +138,16 @@ def inspect(
     step: int | None = typer.Option(None, "--step", help="Only this step (for a run dir)."),
     decode: bool = typer.Option(False, "--decode", help="Render every turn with the shard's tokenizer."),
     fmt: Format = typer.Option(Format.table, "--format", help="table (terminal), json (scripts) or html (one page)."),
-    output: Path | None = typer.Option(None, "--output", "-o", help="Where --format html writes."),
-    limit: int = typer.Option(50, "--limit", help="Most samples listed (summaries cover all)."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="html: a directory, or FILE.html for one step."),
+    limit: int | None = typer.Option(None, "--limit", help="Most samples listed: 50, or 500 per html page."),
     task: str | None = typer.Option(None, "--task", help="Only the samples of this task (rollout.tasks)."),
+    mismatch: Path | None = typer.Option(None, "--mismatch", help="html: colour tokens by an arl replay Parquet."),
 ) -> int:
     """Offline view of trajectory shards: samples, decoded turns, masks, reward and length statistics."""
     from pipeline.inspect import inspect_path
 
-    return inspect_path(path, step=step, decode=decode, fmt=fmt.value, output=output, limit=limit, task=task)
+    return inspect_path(path, step=step, decode=decode, fmt=fmt.value, output=output, limit=limit, task=task,
+                        mismatch=mismatch)  # fmt: skip
 
 
 class QueryFormat(StrEnum):
@@ -166,9 +175,24 @@ def query(
                          verify=not no_verify)  # fmt: skip
 
 
-class EvalFormat(StrEnum):
-    table = "table"
-    json = "json"
+@app.command()
+@_friendly
+def diff(
+    run_a: Path = typer.Argument(..., help="The first run dir (A)."),
+    run_b: Path = typer.Argument(..., help="The second run dir (B)."),
+    fmt: EvalFormat = typer.Option(EvalFormat.table, "--format", help="table (terminal) or json (scripts)."),
+    plot: Path | None = typer.Option(None, "--plot", help="Where the PNG goes (default: ./arl-diff-<A>-vs-<B>.png)."),
+    no_plot: bool = typer.Option(False, "--no-plot", help="Write no PNG."),
+    window: int = typer.Option(10, "--window", help="Steps per window when judging divergence."),
+    sigmas: float = typer.Option(3.0, "--sigmas", help="Standard errors a window's difference must exceed."),
+    consecutive: int = typer.Option(10, "--consecutive", help="Windows in a row beyond it before a curve diverged."),
+) -> int:
+    """Two runs side by side: config differences, per-step curves, the first step they diverge beyond noise."""
+    from pipeline.diff import diff_runs
+    from pipeline.divergence import NoiseRule
+
+    rule = NoiseRule(window=window, sigmas=sigmas, consecutive=consecutive)
+    return diff_runs(run_a, run_b, fmt=fmt.value, plot=plot, no_plot=no_plot, rule=rule)
 
 
 @app.command("eval")

@@ -136,7 +136,7 @@ class RunPaths:
         return self.root / "replay"
 
     def replay_file(self, step: int) -> Path:
-        """Per-token engine vs trainer log-probs of step `step` (`pipeline.replay`)."""
+        """Per-token engine vs trainer log-probs of step `step` (`pipeline.replay` writes, the viewer reads)."""
         return self.replays / f"{step_name(step)}.parquet"
 
     # -- state ----------------------------------------------------------------------------

@@ -18,6 +18,15 @@ fi
 if [ "${ARL_SKIP_SGLANG:-0}" != 1 ] && [ -x scripts/sglang_venv.sh ]; then
     scripts/sglang_venv.sh || echo "warning: SGLang venv not built; sglang tests will skip"
 fi
+# The trajectory viewer's browser test drives Debian's chromium (tests/e2e/test_inspect_viewer.py).
+if [ "${ARL_SKIP_BROWSER:-0}" != 1 ] && [ ! -x /usr/bin/chromium ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null ||
+            echo "warning: chromium not installed; the trajectory viewer's browser test will skip"
+    else
+        echo "warning: no /usr/bin/chromium (install it as root: apt-get install chromium); the browser test will skip"
+    fi
+fi
 .venv/bin/ruff check .
 .venv/bin/mypy pipeline stages schemas
 .venv/bin/python -m pytest "$@"

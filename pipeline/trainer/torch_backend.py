@@ -73,7 +73,8 @@ class TorchBackend:
         self.num_params = sum(p.numel() for p in self.model.parameters())
         opt = self.config.trainer.optimizer
         self.optimizer = torch.optim.AdamW(
-            lora.param_groups(self.model, opt.lr, self.config.trainer.lora), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
+            lora.param_groups(self.model, opt.lr, self.config.trainer.lora), lr=opt.lr, betas=opt.betas, eps=opt.eps,
+            weight_decay=opt.weight_decay,
             fused=self.device.type == "cuda", foreach=self.device.type != "cuda",  # CPU: batched, not per tensor
         )  # fmt: skip
         self.scheduler = make_scheduler(self.optimizer, opt, self.total_updates)

@@ -118,17 +118,22 @@ def test_limit_keeps_summaries_whole(run_dir: RunPaths) -> None:
     assert any("showing 2 of 7" in note for note in data["notes"])
 
 
-def test_html_is_one_self_contained_page(run_dir: RunPaths, tmp_path: Path) -> None:
-    target = tmp_path / "out" / "page.html"
-    result = arl(str(run_dir.root), "--format", "html", "--decode", "-o", str(target))
+def test_html_is_one_self_contained_page_per_step(run_dir: RunPaths, tmp_path: Path) -> None:
+    """What the page holds; tests/e2e/test_inspect_viewer.py opens it in a browser."""
+    target = tmp_path / "out"
+    result = arl(str(run_dir.root), "--format", "html", "-o", str(target))
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == str(target)
-    page = target.read_text()
-    assert "<span class='sampled'" in page and "<span class='prompt'" in page and "<style>" in page
-    assert "The answer is four." in page and "&lt;|im_end|&gt;" in page
-    assert page.count("<span class='swap'") == 1 and "⟨v1→v2⟩" in page
-    for external in ("<link", "<script", "src=", "http://", "https://"):
+    assert result.stdout.splitlines() == [str(target / "index.html"), f"2 step pages: {target}/step_*.html"]
+    page = (target / "step_000001.html").read_text()
+    assert "answer" in page and "\\u003c|im_end|>" in page  # each token's text in the JSON block, `<` escaped
+    assert '"prev":null,"next":"step_000002.html","index":"index.html"' in page
+    for external in ("<link", "src=", "http://", "https://"):
         assert external not in page
+    assert "step_000002.html" in (target / "index.html").read_text()
+    one = arl(str(run_dir.root), "--format", "html", "--step", "2", "-o", str(tmp_path / "two.html"))
+    assert one.stdout.strip() == str(tmp_path / "two.html") and (tmp_path / "two.html").exists()
+    both = arl(str(run_dir.root), "--format", "html", "-o", str(tmp_path / "both.html"))
+    assert both.returncode == 2 and "--output must be a directory" in both.stderr
     default = arl(str(run_dir.step_dir(1)), "--format", "html", cwd=tmp_path)
     assert default.returncode == 0 and Path(default.stdout.strip()).exists()
 
