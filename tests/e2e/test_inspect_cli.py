@@ -38,12 +38,21 @@ def session(tokenizer, sid: str, group: str, reward: float, *, edit: bool = Fals
                               add_special_tokens=False)  # fmt: skip
     p2 = ([*p1, *o1] if not edit else tokenizer.encode("edited history", add_special_tokens=False)) + suffix
     o2 = tokenizer.encode("Five, I think.<|im_end|>", add_special_tokens=False)
-    tree = SessionTree(sid, group, metadata={"index": 3})
-    for iid, prompt, out, parent, version in (("a", p1, o1, None, 0), ("b", p2, o2, "a", 1)):
+    turns = [(iid, prompt, out, [-0.25] * len(out), [version] * 3 + [version + (swap and iid == "b")] * (len(out) - 3))
+             for iid, prompt, out, version in (("a", p1, o1, 0), ("b", p2, o2, 1))]  # fmt: skip
+    return chained_session(sid, group, {"index": 3}, reward, turns)
+
+
+def chained_session(sid: str, group: str, metadata: dict, reward: float,
+                    turns: list[tuple[str, list[int], list[int], list[float], list[int]]]) -> SessionTree:  # fmt: skip
+    """A session whose turns (id, prompt, output, log-probs, versions) each continue the one before."""
+    tree = SessionTree(sid, group, metadata=metadata)
+    parent = None
+    for iid, prompt, out, logprobs, versions in turns:
         tree.add(Interaction(id=f"{sid}-{iid}", session_id=sid, prompt_ids=prompt, output_ids=out,
-                             output_logprobs=[-0.25] * len(out),
-                             output_versions=[version] * 3 + [version + (swap and iid == "b")] * (len(out) - 3),
-                             parent_id=None if parent is None else f"{sid}-{parent}", created_at=1.8e9))  # fmt: skip
+                             output_logprobs=logprobs, output_versions=versions, parent_id=parent,
+                             created_at=1.8e9))  # fmt: skip
+        parent = f"{sid}-{iid}"
     tree.set_reward(reward)
     return tree
 

@@ -12,10 +12,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_inspect_cli import chained_session  # tests/e2e is on sys.path (pytest)
 
 from pipeline.paths import RunPaths
 from pipeline.shards import write_step
-from pipeline.trajectory import Interaction, SessionTree
+from pipeline.trajectory import SessionTree
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "tests" / "artifacts"
@@ -37,14 +38,9 @@ def session(tokenizer: Any, sid: str, task: str, reward: float) -> SessionTree:
                               "<|im_start|>assistant\n", add_special_tokens=False)  # fmt: skip
     o2 = tokenizer.encode("It is sunny.<|im_end|>", add_special_tokens=False)
     swap = sid == "s1"
-    tree = SessionTree(sid, f"g-{task}", metadata={"task": task})
-    for iid, prompt, out, parent, lp in (("a", p1, o1, None, -0.1), ("b", [*p1, *o1, *suffix], o2, "a", -4.0)):
-        versions = [3] * 2 + [3 + (swap and iid == "b")] * (len(out) - 2)
-        tree.add(Interaction(id=f"{sid}-{iid}", session_id=sid, prompt_ids=prompt, output_ids=out,
-                             output_logprobs=[lp] * len(out), output_versions=versions,
-                             parent_id=None if parent is None else f"{sid}-{parent}", created_at=1.8e9))  # fmt: skip
-    tree.set_reward(reward)
-    return tree
+    turns = [(iid, prompt, out, [lp] * len(out), [3] * 2 + [3 + (swap and iid == "b")] * (len(out) - 2))
+             for iid, prompt, out, lp in (("a", p1, o1, -0.1), ("b", [*p1, *o1, *suffix], o2, -4.0))]  # fmt: skip
+    return chained_session(sid, f"g-{task}", {"task": task}, reward, turns)
 
 
 @pytest.fixture(scope="module")
