@@ -34,6 +34,8 @@ ADAPTER_NAME = "default"
 """PEFT's name for the one adapter; its state-dict keys carry it, its saved files do not."""
 _PREFIX = "base_model.model."
 """What `PeftModel` puts in front of the base model's own parameter names."""
+_TRAINED_COPY, _ORIGINAL = f".modules_to_save.{ADAPTER_NAME}.", ".original_module."
+"""Where `PeftModel` keeps a `modules_to_save` module's trained copy and the frozen original, in parameter names."""
 
 
 def _peft() -> Any:
@@ -50,19 +52,29 @@ def wrap(model: Any, cfg: LoraConfig, adapter_dir: Path | None) -> Any:
     if adapter_dir is None:
         targets: Any = cfg.target_modules if isinstance(cfg.target_modules, str) else list(cfg.target_modules)
         config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-                                 bias="none", task_type="CAUSAL_LM")  # fmt: skip
+                                 modules_to_save=list(cfg.modules_to_save) or None, bias="none",
+                                 task_type="CAUSAL_LM")  # fmt: skip
         wrapped = peft.get_peft_model(model, config)
     else:
         wrapped = peft.PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
-    _check_linear_only(wrapped, peft)
+    _check_mergeable(wrapped, peft)
     return wrapped
 
 
-def _check_linear_only(model: Any, peft: Any) -> None:
-    """Merging is exact only for plain linear adapters (no embeddings, convs, DoRA, rsLoRA, transposed weights)."""
+def _check_mergeable(model: Any, peft: Any) -> None:
+    """Merging is exact only for plain linear adapters (no embeddings, convs, DoRA, rsLoRA, transposed weights)
+    and for trained copies of norms (whose weights simply replace the base's)."""
     lora_layer, lora_linear = peft.tuners.lora.LoraLayer, peft.tuners.lora.Linear
     config = model.peft_config[ADAPTER_NAME]
     for name, module in model.named_modules():
+        if isinstance(module, peft.utils.other.ModulesToSaveWrapper):
+            if not type(module.original_module).__name__.endswith("Norm"):
+                raise ConfigError(
+                    f"trainer.lora.modules_to_save trains {name.removeprefix(_PREFIX)} "
+                    f"({type(module.original_module).__name__}) in full: "
+                    "only normalization layers can be (e.g. [norm])"
+                )
+            continue
         if not isinstance(module, lora_layer):
             continue
         if type(module) is not lora_linear or module.fan_in_fan_out or name.endswith("lm_head"):
@@ -85,12 +97,14 @@ def trainable(model: Any) -> list[torch.nn.Parameter]:
 
 def param_groups(model: Any, lr: float, cfg: LoraConfig | None) -> list[dict[str, Any]]:
     """The optimizer's parameter groups: every trainable parameter at `lr`, except LoRA+'s B matrices at
-    `lr * cfg.lr_ratio` (a group per rate, in a fixed order, so saved optimizer state lines up on resume)."""
+    `lr * cfg.lr_ratio`, and the trained norms with them (a group per rate, in a fixed order, so saved optimizer
+    state lines up on resume)."""
     if cfg is None or cfg.lr_ratio == 1.0:
         return [{"params": trainable(model), "lr": lr}]
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    a_side = [p for name, p in named if ".lora_B." not in name]
-    b_side = [p for name, p in named if ".lora_B." in name]
+    fast = [".lora_B." in name or p.dim() == 1 for name, p in named]  # PEFT's LoRA+: B and the 1-D norm weights
+    a_side = [p for (_, p), f in zip(named, fast, strict=True) if not f]
+    b_side = [p for (_, p), f in zip(named, fast, strict=True) if f]
     return [{"params": a_side, "lr": lr}, {"params": b_side, "lr": lr * cfg.lr_ratio}]
 
 
@@ -99,7 +113,10 @@ def merged_weights(full: dict[str, torch.Tensor], scale: float) -> dict[str, tor
     out: dict[str, torch.Tensor] = {}
     for key, value in full.items():
         name = key.removeprefix(_PREFIX)
-        if ".lora_A." in name or ".lora_B." in name:
+        if ".lora_A." in name or ".lora_B." in name or _ORIGINAL in name:
+            continue
+        if _TRAINED_COPY in name:  # a norm of `modules_to_save`: its trained copy replaces the base's
+            out[name.replace(_TRAINED_COPY, ".")] = value
             continue
         if ".base_layer." not in name:
             out[name] = value
@@ -123,6 +140,9 @@ def merged_from_files(adapter_dir: Path, base_dir: Path) -> dict[str, torch.Tens
     weights = read_checkpoint(base_dir)
     adapter = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
     for key, a in adapter.items():
+        if ".lora_" not in key:  # a trained norm (`modules_to_save`), saved under the base's own name
+            weights[_base_name(key, weights, adapter_dir, base_dir)] = a
+            continue
         if not key.endswith(".lora_A.weight"):
             continue
         module = key.removeprefix(_PREFIX).removesuffix(".lora_A.weight")
@@ -131,6 +151,13 @@ def merged_from_files(adapter_dir: Path, base_dir: Path) -> dict[str, torch.Tens
             raise ArlError(f"{adapter_dir}: adapts {module}, which {base_dir} does not have")
         weights[f"{module}.weight"] = _merge(base, a, adapter[key.replace(".lora_A.", ".lora_B.")], scale)
     return weights
+
+
+def _base_name(key: str, weights: dict[str, torch.Tensor], adapter_dir: Path, base_dir: Path) -> str:
+    name = key.removeprefix(_PREFIX)
+    if name not in weights:
+        raise ArlError(f"{adapter_dir}: holds {name}, which {base_dir} does not have")
+    return name
 
 
 def _merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
@@ -146,6 +173,7 @@ def adapter_weights(model: Any) -> dict[str, torch.Tensor]:
         if not param.requires_grad:
             continue
         tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+        name = name.replace(_TRAINED_COPY, ".")  # PEFT saves a trained norm under the base's own name
         out[name.replace(f".{ADAPTER_NAME}.", ".")] = tensor.detach().to("cpu", copy=True)
     return out
 

@@ -109,9 +109,14 @@ class LoraConfig(Block):
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """Module names to adapt (PEFT's `target_modules`, e.g. [q_proj, v_proj]); `all-linear` = every linear layer
     of the decoder (not the output layer). Only linear layers can be adapted (merging is plain W + s * B @ A)."""
+    modules_to_save: list[str] = Field(default_factory=list)
+    """Normalization layers trained in full beside the adapters and saved with them (PEFT's `modules_to_save`;
+    `[norm]` = every module whose name ends in `norm`). Only norms: a merge then replaces their weights. Needs
+    `publish: merged` (the engines' LoRA routes load A and B matrices only)."""
     lr_ratio: float = Field(1.0, gt=0)
-    """LoRA+: the B matrices (the adapter's output side, zero at the start) learn at `lr_ratio` times
-    `trainer.optimizer.lr`, the A matrices at the lr itself (Hayou et al. 2024 suggest 16; 1 = plain LoRA)."""
+    """LoRA+: the B matrices (the adapter's output side, zero at the start) and the trained norms' weights learn at
+    `lr_ratio` times `trainer.optimizer.lr`, the A matrices at the lr itself (PEFT's LoRA+ grouping; Hayou et al.
+    2024 suggest 16; 1 = plain LoRA)."""
     publish: Literal["merged", "adapter"] = "merged"
     """How servers get a new version: `merged` = the trainer merges the adapter into the base and publishes full
     weights by `trainer.weight_sync` (any engine); `adapter` = servers load each version's adapter from its
@@ -193,6 +198,15 @@ class TrainerConfig(Block):
             raise PydanticCustomError(
                 UNSUPPORTED, "trainer.lora.publish=adapter: servers load each adapter from its checkpoint directory, "
                 "so it needs trainer.weight_sync=disk (or trainer.lora.publish=merged to broadcast merged weights)", {}
+            )  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
+    def _adapter_publication_is_plain_lora(self) -> TrainerConfig:
+        if self.publishes_adapters and self.lora is not None and self.lora.modules_to_save:
+            raise PydanticCustomError(
+                UNSUPPORTED, "trainer.lora.modules_to_save needs trainer.lora.publish=merged: SGLang's, vLLM's and "
+                "the hf engine's LoRA routes load A and B matrices only, not trained norms", {}
             )  # fmt: skip
         return self
 

@@ -26,6 +26,8 @@ from pipeline.trainer.metrics import Timings
 
 LORA = ["trainer.lora.rank=4", "trainer.lora.alpha=8", "trainer.optimizer.lr=0.01", "rollout.max_staleness=10",
         "trainer.wait_timeout_s=30", "trainer.publish_timeout_s=120"]  # fmt: skip
+NORMS = "trainer.lora.modules_to_save=[norm]"
+"""Every norm of the tiny model (each module whose name ends in `norm`) trained in full beside the adapters."""
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -56,7 +58,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_a_step_trains_only_the_adapter_and_the_reference_is_the_base(make_train_run, tiny_model_dir: Path) -> None:
-    paths = make_train_run(steps=[0], overrides=[*LORA, "num_steps=1", "trainer.algorithm.kl_coef=0.1"])
+    paths = make_train_run(steps=[0], overrides=[*LORA, NORMS, "num_steps=1", "trainer.algorithm.kl_coef=0.1"])
     trainer = Trainer(StageContext.from_run_dir("train", paths.root).config, paths)
     try:
         trainer.start_from(0)
@@ -66,10 +68,12 @@ def test_a_step_trains_only_the_adapter_and_the_reference_is_the_base(make_train
         model = trainer.backend.model  # type: ignore[attr-defined]
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         adapters = {n for n, p in model.named_parameters() if p.requires_grad}
-        assert adapters and all(".lora_" in n for n in adapters)
+        norms = {n for n in adapters if ".modules_to_save." in n}
+        assert len(norms) == sum(name.endswith("norm") for name, _ in hf_model(tiny_model_dir).named_modules()) > 0
+        assert all(".lora_" in n for n in adapters - norms)
         trainer.update(plan, Timings())
         changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
-        assert changed == {n for n in adapters if ".lora_B." in n}  # B starts at 0, so A's first gradient is 0
+        assert changed == {n for n in adapters if ".lora_B." in n} | norms  # B starts at 0: A's first gradient is 0
         trainer.update(plan, Timings())
         assert {n for n, p in model.named_parameters() if not torch.equal(p, before[n])} == adapters
         optimized = {id(p) for group in trainer.backend.optimizer.param_groups for p in group["params"]}  # type: ignore[attr-defined]
@@ -81,17 +85,26 @@ def test_a_step_trains_only_the_adapter_and_the_reference_is_the_base(make_train
             out = base(input_ids=micro.input_ids, position_ids=micro.position_ids).logits
         expected = gather_logprobs(out.reshape(-1, out.shape[-1]), micro.targets)
         reference = trainer.backend.logprobs(micro, reference=True)
-        assert max_diff(reference, expected) < 1e-6  # adapters disabled = the base, no second copy
+        assert max_diff(reference, expected) < 1e-6  # adapters (and trained norms) disabled = the base, no copy
         assert max_diff(trainer.backend.logprobs(micro), expected) > 1e-4  # while the policy has moved
         assert getattr(trainer.backend, "reference", None) is None
     finally:
         trainer.close()
 
 
+def test_only_norms_train_in_full(tiny_model_dir: Path) -> None:
+    from pipeline.errors import ConfigError
+    from pipeline.trainer.lora import wrap
+    from schemas.config.trainer import LoraConfig
+
+    with pytest.raises(ConfigError, match=r"modules_to_save trains model\.embed_tokens \(Embedding\).*only normal"):
+        wrap(hf_model(tiny_model_dir), LoraConfig(modules_to_save=["embed_tokens"]), None)
+
+
 def test_checkpoint_is_peft_format_and_merged_publication_serves_base_plus_adapter(
     make_train_run, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    paths = make_train_run(steps=[0], overrides=[*LORA, "num_steps=1", "trainer.weight_sync=disk"])
+    paths = make_train_run(steps=[0], overrides=[*LORA, NORMS, "num_steps=1", "trainer.weight_sync=disk"])
     with start_hf_server(tiny_model_dir, seed=0) as server:
         register(paths, "s0", server.url, tiny_model_dir)
         run_trainer(StageContext.from_run_dir("train", paths.root))  # publishes with verification on
@@ -109,10 +122,14 @@ def test_checkpoint_is_peft_format_and_merged_publication_serves_base_plus_adapt
     assert max_diff(probe_logprobs(hf_model(ckpt / "merged"), probe), expected) < 1e-5
     assert max_diff(probe_logprobs(hf_model(tiny_model_dir), probe), expected) > 1e-3  # the adapter did something
 
-    # merged/ keeps every weight the adapters do not touch bit for bit
+    # merged/ keeps every weight the adapters do not touch bit for bit, and takes the trained norms as saved
     initial = load_file(str(tiny_model_dir / "model.safetensors"))
     merged = load_file(str(ckpt / "merged" / "model.safetensors"))
-    untouched = [k for k in initial if not k.endswith("proj.weight")]
+    adapter = load_file(str(ckpt / "adapter_model.safetensors"))
+    norms = [k for k in initial if k.endswith("norm.weight")]
+    assert norms and all(torch.equal(merged[k], adapter[f"base_model.model.{k}"]) for k in norms)
+    assert not any(torch.equal(merged[k], initial[k]) for k in norms)
+    untouched = [k for k in initial if not k.endswith(("proj.weight", "norm.weight"))]
     assert untouched and all(torch.equal(initial[k], merged[k]) for k in untouched)
 
     out = tmp_path / "exported"
@@ -166,15 +183,18 @@ def test_step_rerun_from_a_lora_checkpoint_is_bitwise(make_train_run) -> None:
     state: exact resume."""
     paths = make_train_run(steps=[0, 1], overrides=[*LORA, "num_steps=2", "trainer.deterministic=true",
                                                     "trainer.lora.dropout=0.1", "trainer.minibatches=2",
-                                                    "trainer.lora.lr_ratio=4"])  # fmt: skip
+                                                    "trainer.lora.lr_ratio=4", NORMS])  # fmt: skip
     run_trainer(StageContext.from_run_dir("train", paths.root))
     adapter = load_file(str(paths.checkpoint_dir(2) / "adapter_model.safetensors"))
     optimizer = torch.load(paths.trainer_state_dir(2) / "optimizer.pt", weights_only=False)
-    assert all(".lora_" in name for name in optimizer["state"])
+    assert all(".lora_" in name or ".modules_to_save." in name for name in optimizer["state"])
     groups = optimizer["param_groups"]
-    assert [g["initial_lr"] for g in groups] == [0.01, 0.04]  # A (and nothing else) at lr, B at lr * lr_ratio
-    assert {len(g["params"]) for g in groups} == {len(optimizer["state"]) // 2}
-    assert all(".lora_B." in name for name in groups[1]["params"])
+    assert [g["initial_lr"] for g in groups] == [0.01, 0.04]  # A (and nothing else) at lr, B and norms faster
+    assert all(".lora_A." in name for name in groups[0]["params"])
+    assert {name for name in groups[1]["params"] if ".lora_B." not in name} == {
+        n for n in optimizer["state"] if n.endswith("norm.modules_to_save.default.weight")
+    }
+    assert len(groups[0]["params"]) + len(groups[1]["params"]) == len(optimizer["state"])
     run_trainer(StageContext.from_run_dir("train", paths.root, only_step=1))
     again = load_file(str(paths.checkpoint_dir(2) / "adapter_model.safetensors"))
     assert adapter.keys() == again.keys()
@@ -183,7 +203,7 @@ def test_step_rerun_from_a_lora_checkpoint_is_bitwise(make_train_run) -> None:
 
 @pytest.mark.slow
 def test_two_process_fsdp_lora_equals_single_process(make_train_run) -> None:
-    overrides = [*LORA, "num_steps=2", "trainer.minibatches=2", "trainer.micro_batch_tokens=64"]
+    overrides = [*LORA, NORMS, "num_steps=2", "trainer.minibatches=2", "trainer.micro_batch_tokens=64"]
     single, sharded = train_single_and_sharded(make_train_run, overrides)
     for name in ("adapter_model.safetensors", "merged/model.safetensors"):
         a, b = (load_file(str(p.checkpoint_dir(2) / name)) for p in (single, sharded))

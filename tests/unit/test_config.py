@@ -241,3 +241,6 @@ def test_lora_block_and_its_refusals() -> None:
     assert load_config(None, ["trainer.lora.publish=adapter"]).trainer.lora.publish == "adapter"  # type: ignore[union-attr]
     with pytest.raises(ConfigError, match=r"trainer\.lora\.publish=adapter.*needs trainer\.weight_sync=disk"):
         load_config(None, ["trainer.lora.publish=adapter", "trainer.weight_sync=nccl"])
+    with pytest.raises(ConfigError, match=r"modules_to_save needs trainer\.lora\.publish=merged"):
+        load_config(None, ["trainer.lora.publish=adapter", "trainer.lora.modules_to_save=[norm]"])
+    assert load_config(None, ["trainer.lora.modules_to_save=[norm]"]).trainer.lora.modules_to_save == ["norm"]  # type: ignore[union-attr]
