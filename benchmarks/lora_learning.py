@@ -1,7 +1,8 @@
 """Does LoRA learn the demo as full fine-tuning does? Both curves, from one seed, in one figure.
 
 Runs `arl demo` twice with the same seed, as a person runs it: full weights (the shipped config), then LoRA with
-the settings of `examples/demo_lora.yaml` (rank 128, alpha 64, lr 2.5e-3; `--lora-steps` may run it longer).
+the settings of `examples/demo_lora.yaml` (rank 128, alpha 64, lr 5e-4 with LoRA+'s B matrices and the trained
+norms at 16x; `--lora-steps` may run it longer).
 Per run it reads `metrics/rollout.jsonl` (`agent/exact_correct`: the reply is exactly the number, and the mean
 reward) and reports both rates over the first and the last 20% of steps; it draws both exact-correct curves
 (10-step moving average) into `--plot`. Goal (issue 22): LoRA's last-20% exact-correct within 0.1 of full
@@ -27,7 +28,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from demo_learning import EXACT, SeedRun, run_seed  # noqa: E402
 
-LORA = ["trainer.lora.rank=128", "trainer.lora.alpha=64", "trainer.optimizer.lr=2.5e-3"]
+LORA = ["trainer.lora.rank=128", "trainer.lora.alpha=64", "trainer.optimizer.lr=5e-4", "trainer.lora.lr_ratio=16",
+        "trainer.lora.modules_to_save=[norm]"]  # fmt: skip
 """examples/demo_lora.yaml's settings, as overrides of the demo's own config."""
 GOAL_GAP = 0.1
 WINDOW = 10
@@ -55,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the demo's)")
     parser.add_argument("--lora-steps", type=int, default=None, help="the LoRA run's steps (default: --steps)")
     parser.add_argument("--workdir", default=None, help="keep the runs here (default: a temp dir)")
-    parser.add_argument("--plot", default=str(REPO / "benchmarks" / "lora_learning.png"), help="the figure")
+    parser.add_argument("--plot", default=str(REPO / "docs" / "lora_learning.png"), help="the figure")
     parser.add_argument("--reuse", nargs=2, metavar=("FULL_RUN", "LORA_RUN"), help="read two finished demo runs")
     return parser.parse_args()
 
@@ -83,7 +85,7 @@ def plot(full: SeedRun, lora: SeedRun, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for run, label in ((full, "full weights"), (lora, "LoRA rank 128, alpha 64, lr 2.5e-3")):
+    for run, label in ((full, "full weights"), (lora, "LoRA rank 128 + norms, LoRA+ 16x, lr 5e-4")):
         ax.plot(range(len(run.exact)), smooth(run.exact), label=label)
     ax.set_xlabel("step")
     ax.set_ylabel(f"exact-correct ({WINDOW}-step moving average)")
