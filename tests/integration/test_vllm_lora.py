@@ -121,16 +121,24 @@ def test_unload_waits_for_the_requests_the_adapter_serves(url: str, tiny_model_d
 def test_update_weight_version_can_abort_the_requests_in_flight(url: str) -> None:
     async def go() -> tuple[dict[str, Any], httpx.Response]:
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            long = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
-            running = asyncio.create_task(client.post("/generate", json=long))
-            await asyncio.sleep(1.0)
+            # As long as the context allows (about 1 s on vLLM's CPU build): the relabel must come while it runs,
+            # so it is sent as soon as vLLM reports the request running, not after a fixed sleep.
+            long = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 480, "ignore_eos": True}}
+            generation = asyncio.create_task(client.post("/generate", json=long))
+            await asyncio.wait_for(until_running(client), timeout=60)
             relabel = await client.post("/update_weight_version", json={"new_version": 9})  # aborts by default
-            return (await running).json(), relabel
+            return (await generation).json(), relabel
 
     aborted, relabel = asyncio.run(go())
     assert relabel.status_code == 200 and relabel.json()["success"] is True, relabel.text
     assert aborted["meta_info"]["finish_reason"]["type"] == "abort", aborted["meta_info"]
+    assert aborted["meta_info"]["completion_tokens"] < 480, aborted["meta_info"]
     assert httpx.get(f"{url}/model_info").json()["weight_version"] == "9"
+
+
+async def until_running(client: httpx.AsyncClient) -> None:
+    while not int((await client.get("/server_info")).json()["running"]):
+        await asyncio.sleep(0.002)
 
 
 class _Timed:
