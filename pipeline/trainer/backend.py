@@ -10,6 +10,7 @@ Hugging Face names in `hf_state_dict` and is added to `backends.make_backend`; s
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,31 @@ class MinibatchStats:
     maxima: dict[str, float] = field(default_factory=dict)
     values: dict[str, np.ndarray] = field(default_factory=dict)
     """`LossOutput.per_token` concatenated over this rank's micro-batches (the loop gathers them to rank 0)."""
+
+
+class LossAccumulator:
+    """Sums, maxima and per-token values of a minibatch's `LossOutput`s, one `add` per micro-batch: the part of
+    `train_minibatch` every backend shares."""
+
+    def __init__(self) -> None:
+        self.loss = 0.0
+        self.sums: dict[str, float] = defaultdict(float)
+        self.maxima: dict[str, float] = defaultdict(lambda: float("-inf"))
+        self.values: dict[str, list[torch.Tensor]] = defaultdict(list)
+
+    def add(self, out: LossOutput) -> None:
+        self.loss += float(out.loss.detach())
+        for k, v in out.sums.items():
+            self.sums[k] += float(v)
+        for k, v in out.maxima.items():
+            self.maxima[k] = max(self.maxima[k], float(v))
+        for k, v in out.per_token.items():
+            self.values[k].append(v.detach().float().cpu())
+
+    def per_token(self) -> dict[str, np.ndarray]:
+        import torch
+
+        return {k: torch.cat(v).numpy() for k, v in self.values.items()}
 
 
 class TrainBackend(Protocol):

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import defaultdict
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from pipeline.trainer import fsdp, lora
-from pipeline.trainer.backend import LossFn, MinibatchStats
+from pipeline.trainer.backend import LossAccumulator, LossFn, MinibatchStats
 from pipeline.trainer.checkpoint import save_torch
 from pipeline.trainer.losses import entropy_from_logits, gather_logprobs, logit_scale
 from pipeline.trainer.packing import MicroBatch
@@ -148,10 +147,8 @@ class TorchBackend:
     def train_minibatch(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> MinibatchStats:
         algo = self.config.trainer.algorithm
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = defaultdict(float)
-        maxima: dict[str, float] = defaultdict(lambda: float("-inf"))
-        total_loss, tokens = 0.0, 0
-        values: dict[str, list[torch.Tensor]] = defaultdict(list)
+        acc = LossAccumulator()
+        tokens = 0
         for micro in micro_batches:
             micro = micro.to(self.device)
             logits = self._logits(self.model, micro)
@@ -164,22 +161,15 @@ class TorchBackend:
             out = loss_fn(logp, entropy, micro.tokens)
             # FSDP averages gradients over ranks; the weights are already global, so undo the average.
             (out.loss * self.world_size).backward()
-            total_loss += float(out.loss.detach())
+            acc.add(out)
             tokens += micro.num_tokens
-            for k, v in out.sums.items():
-                sums[k] += float(v)
-            for k, v in out.maxima.items():
-                maxima[k] = max(maxima[k], float(v))
-            for k, v in out.per_token.items():
-                values[k].append(v.float().cpu())
         grad_norm = torch.nn.utils.clip_grad_norm_(lora.trainable(self.model), self.config.trainer.optimizer.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
         self.scheduler.step()
-        return MinibatchStats(total_loss, float(grad_norm), lr, tokens, dict(sums), dict(maxima),
-                              {k: torch.cat(v).numpy() for k, v in values.items()})  # fmt: skip
+        return MinibatchStats(acc.loss, float(grad_norm), lr, tokens, dict(acc.sums), dict(acc.maxima), acc.per_token())
 
     # -- export ---------------------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

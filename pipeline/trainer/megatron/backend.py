@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import defaultdict
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from pipeline.trainer.backend import LossFn, MinibatchStats
+from pipeline.trainer.backend import LossAccumulator, LossFn, MinibatchStats
 from pipeline.trainer.checkpoint import save_torch
 from pipeline.trainer.losses import logit_scale
 from pipeline.trainer.megatron import parallel
@@ -176,10 +175,7 @@ class MegatronBackend:
         algo = self.config.trainer.algorithm
         micros, _, _ = self._share(micro_batches)
         self._zero_grad()
-        sums: dict[str, float] = defaultdict(float)
-        maxima: dict[str, float] = defaultdict(lambda: float("-inf"))
-        losses: list[float] = []
-        values: dict[str, list[torch.Tensor]] = defaultdict(list)
+        acc = LossAccumulator()
 
         def on_logits(i: int, logits: torch.Tensor) -> torch.Tensor:
             micro = micros[i].to(self.device)
@@ -187,23 +183,17 @@ class MegatronBackend:
             if algo.entropy_coef == 0 and entropy is not None:
                 entropy = entropy.detach()
             out = loss_fn(logp, entropy, micro.tokens)
-            losses.append(float(out.loss.detach()))
-            for k, v in out.sums.items():
-                sums[k] += float(v)
-            for k, v in out.maxima.items():
-                maxima[k] = max(maxima[k], float(v))
-            for k, v in out.per_token.items():
-                values[k].append(v.float().cpu())
+            acc.add(out)
             return out.loss
 
         self._run(self.model, micros, on_logits, backward=True)
         grad_norm = self._step()
-        loss, sums_out, maxima_out = self._report(sum(losses), dict(sums), dict(maxima))
+        loss, sums_out, maxima_out = self._report(acc.loss, dict(acc.sums), dict(acc.maxima))
         tokens = sum(m.num_tokens for m in micros) if self.rank == self.reporter else 0
         lr = float(self.scheduler.get_last_lr()[0])
         self.scheduler.step()
         # Per-token values from the reporter only, like the sums (the other MP ranks saw the same rows or none).
-        per_token = {k: torch.cat(v).numpy() for k, v in values.items()} if self.rank == self.reporter else {}
+        per_token = acc.per_token() if self.rank == self.reporter else {}
         return MinibatchStats(loss, grad_norm, lr, tokens, sums_out, maxima_out, per_token)
 
     def _zero_grad(self) -> None:
