@@ -333,8 +333,13 @@ def bench(only: list[str] = typer.Option(None, "--only", help="Run only these be
     return run_benchmarks(only or [])
 
 
-def main() -> None:  # pragma: no cover - console entry
-    app(prog_name="arl")
+def main() -> None:  # pragma: no cover - console entry (`arl`, and `python -m pipeline.cli` in every stage)
+    from pipeline.logs import freeze_for_exit
+
+    try:
+        app(prog_name="arl")
+    finally:
+        freeze_for_exit()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -41,6 +41,20 @@ def setup_logging(stage: str | None = None, log_file: Path | None = None, level:
         logging.getLogger("arl").info("stage %s starting (pid %d)", stage, os.getpid())
 
 
+def freeze_for_exit() -> None:
+    """Hide every live object from the cyclic GC before the interpreter exits (`gc.freeze`).
+
+    A process that imported torch and transformers spent ~0.7 s of its exit in the collections the
+    interpreter runs while it tears modules down (measured: 0.71 s -> 0.13 s after a preflight). Stages
+    exit one after another at the end of a run (the trainer, then the stages it stops, then the
+    launcher), so that was seconds of every run's wall time. Nothing is lost: objects are still freed
+    by reference counting and `atexit` handlers still run; only cyclic garbage is left to the OS.
+    """
+    import gc
+
+    gc.freeze()
+
+
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
     """`asyncio.run` on uvloop when it is installed (`uvicorn[standard]` brings it): the proxy's
     per-request cost is dominated by event-loop and HTTP parsing overhead, which uvloop roughly halves."""

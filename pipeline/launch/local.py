@@ -91,8 +91,11 @@ def start_stage(plan: StagePlan, paths: RunPaths, attempt: int, *, workdir: Path
     return Running(plan, record, proc, handle)
 
 
-def supervise(running: list[Running], paths: RunPaths, console: Console, *, poll_s: float = 0.5) -> int:
-    """Wait until the trainer finishes (0) or any stage fails (1), printing each step as it is trained."""
+def supervise(running: list[Running], paths: RunPaths, console: Console, *, poll_s: float = 0.1) -> int:
+    """Wait until the trainer finishes (0) or any stage fails (1), printing each step as it is trained.
+
+    `poll_s` is short because the run's end waits on it (the trainer's exit is noticed here); a poll is a
+    `waitpid` per stage and a read of what the metrics files gained."""
     feed = StepFeed(paths, from_now=True)  # a resumed run's earlier steps were shown by its first launch
     while True:
         _print_steps(feed, console)

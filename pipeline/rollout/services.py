@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from pipeline.proxy.control import ProxyControl
     from pipeline.proxy.local import LocalControl
     from pipeline.proxy.pool import PoolControl
+    from pipeline.proxy.server import ProxyServer
     from pipeline.proxy.sessions import EndHook, SessionEnd
 
 log = logging.getLogger("arl.rollout")
@@ -109,14 +110,21 @@ async def open_services(
     from pipeline.engine.registry import urls_from_registry
     from pipeline.weight_version import announced_adapter
 
-    await wait_for_servers(paths, config.inference.startup_timeout_s)
     engine = EngineClient(urls_from_registry(paths), request_timeout_s=config.inference.request_timeout_s,
                           adapter=announced_adapter(config, paths))  # fmt: skip
+    # Built before the wait: the proxy's tokenizer and chat template (about 2 s, mostly importing transformers)
+    # load while the inference stage is still loading its model, instead of after. The engine client reads
+    # the registry again on its first request.
+    proxy = _in_process_proxy(config, paths, engine) if config.proxy.workers == 1 else None
+    await wait_for_servers(paths, config.inference.startup_timeout_s)
     await engine.start()
     entry = paths.proxy_entry(name)
     try:
-        opened = _open_pool if config.proxy.workers > 1 else _open_in_process
-        async with opened(config, paths, engine, subscribe) as services:
+        if proxy is None:
+            opened = _open_pool(config, paths, engine, subscribe)
+        else:
+            opened = _open_in_process(config, proxy, engine, subscribe)
+        async with opened as services:
             write_json_atomic(entry, registry_entry(services.urls))
             log.info("proxy %s serving at %s (registry entry %s)", name, ", ".join(services.urls), entry)
             yield services
@@ -125,12 +133,15 @@ async def open_services(
         await engine.close()
 
 
-@contextlib.asynccontextmanager
-async def _open_in_process(config: ArlConfig, paths: RunPaths, engine: EngineClient,
-                           subscribe: Callable[[ProxyControl], EndHook] | None) -> AsyncIterator[Services]:  # fmt: skip
+def _in_process_proxy(config: ArlConfig, paths: RunPaths, engine: EngineClient) -> ProxyServer:
     from pipeline.proxy.server import ProxyServer
 
-    proxy = ProxyServer(config.model, config.proxy, engine, admin_key=admin_key_for(config, paths))
+    return ProxyServer(config.model, config.proxy, engine, admin_key=admin_key_for(config, paths))
+
+
+@contextlib.asynccontextmanager
+async def _open_in_process(config: ArlConfig, proxy: ProxyServer, engine: EngineClient,
+                           subscribe: Callable[[ProxyControl], EndHook] | None) -> AsyncIterator[Services]:  # fmt: skip
     if subscribe is not None:
         proxy.store.on_end(subscribe(proxy.control))
     http = None

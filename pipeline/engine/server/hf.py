@@ -101,5 +101,10 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     # Import the module proper, so its classes are the ones every other module sees (not `__main__`'s copies).
     from pipeline.engine.server.hf import main as _main
+    from pipeline.logs import freeze_for_exit
 
-    raise SystemExit(_main())
+    try:
+        code = _main()
+    finally:
+        freeze_for_exit()
+    raise SystemExit(code)
