@@ -41,6 +41,7 @@ from typing import Any
 
 import httpx
 
+from pipeline.engine.client.coalesce import BatchPolicy
 from pipeline.errors import ArlError
 from pipeline.proxy.capacity import Capacity, new_shared_counts
 from pipeline.proxy.control import ExportedSession, HttpControl, SessionInfo
@@ -108,12 +109,15 @@ class ProxyPool:
 
     def __init__(self, model: ModelConfig, proxy: ProxyConfig, *, admin_key: str, engine_urls: list[str] | None = None,
                  run_root: str | None = None, request_timeout_s: float = 600.0,
-                 on_end: EndHook | None = None, adapters: bool = False) -> None:  # fmt: skip
+                 on_end: EndHook | None = None, adapters: bool = False,
+                 batching: BatchPolicy | None = None) -> None:  # fmt: skip
         self.model, self.proxy, self.admin_key = model, proxy, admin_key
         self.adapters = adapters
         """Name the announced version's LoRA adapter in every request (`weight_version.AnnouncedAdapter`)."""
         self.engine_urls, self.run_root, self.request_timeout_s = engine_urls, run_root, request_timeout_s
         self.on_end = on_end
+        self.batching = batching or BatchPolicy()
+        """How the workers' engine clients batch completions (`inference.batch_window_ms`)."""
         self.context = multiprocessing.get_context("spawn")
         self.capacity = Capacity(new_shared_counts(self.context))
         self.workers: list[_Worker] = []
@@ -136,7 +140,7 @@ class ProxyPool:
             port = self.proxy.port + index if self.proxy.port else 0
             spec = WorkerSpec(index, self.model.model_dump(), self.proxy.model_copy(update={"port": port}).model_dump(),
                               self.admin_key, self.engine_urls, self.run_root, self.request_timeout_s,
-                              self.events_path, logging.getLogger().level, self.adapters)  # fmt: skip
+                              self.events_path, logging.getLogger().level, self.adapters, self.batching)  # fmt: skip
             parent, child = self.context.Pipe()
             process = self.context.Process(target=serve_worker, args=(spec, self.capacity.shared, child),
                                            name=f"arl-proxy-worker-{index}", daemon=True)  # fmt: skip

@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.engine.client.coalesce import BatchPolicy
 from pipeline.proxy.sessions import SessionEnd
 
 log = logging.getLogger("arl.proxy.pool")
@@ -40,6 +41,8 @@ class WorkerSpec:
     log_level: int
     adapters: bool = False
     """Requests name the announced version's LoRA adapter (read from the run under `run_root`)."""
+    batching: BatchPolicy = dataclasses.field(default_factory=BatchPolicy)
+    """How the engine client batches completions (`inference.batch_window_ms`)."""
 
 
 class EndForwarder:
@@ -107,7 +110,7 @@ async def _serve(spec: WorkerSpec, counts: Any, conn: Any) -> None:
     if urls is None:  # follow the run's registry, as the stage's own engine client does
         urls = urls_from_registry(RunPaths(Path(spec.run_root or ".")))
     adapter = AnnouncedAdapter(RunPaths(Path(spec.run_root or "."))) if spec.adapters else None
-    engine = EngineClient(urls, request_timeout_s=spec.request_timeout_s, adapter=adapter)
+    engine = EngineClient(urls, request_timeout_s=spec.request_timeout_s, adapter=adapter, batching=spec.batching)
     proxy = ProxyServer(ModelConfig(**spec.model), ProxyConfig(**spec.proxy), engine, admin_key=spec.admin_key,
                         capacity=Capacity(counts), worker=spec.index)  # fmt: skip
     if spec.events_path is not None:

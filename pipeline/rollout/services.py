@@ -32,6 +32,7 @@ from schemas.config import ArlConfig
 
 if TYPE_CHECKING:
     from pipeline.engine.client import EngineClient
+    from pipeline.engine.client.coalesce import BatchPolicy
     from pipeline.proxy.control import ProxyControl
     from pipeline.proxy.local import LocalControl
     from pipeline.proxy.pool import PoolControl
@@ -93,6 +94,13 @@ async def wait_for_servers(paths: RunPaths, timeout_s: float) -> list[str]:
     return list(found) if isinstance(found, list) else urls()
 
 
+def batching(config: ArlConfig) -> BatchPolicy:
+    """The engine client's request batching (`inference.batch_window_ms`)."""
+    from pipeline.engine.client.coalesce import BatchPolicy
+
+    return BatchPolicy(config.inference.batch_window_ms / 1000, config.inference.max_batch_size)
+
+
 def registry_entry(urls: list[str]) -> dict[str, Any]:
     """`url`: the first worker's (any one serves whole sessions); `urls`: every worker's (`proxy.workers`)."""
     return {"url": urls[0], "urls": urls, "host": socket.gethostname(), "pid": os.getpid(),
@@ -111,7 +119,7 @@ async def open_services(
     from pipeline.weight_version import announced_adapter
 
     engine = EngineClient(urls_from_registry(paths), request_timeout_s=config.inference.request_timeout_s,
-                          adapter=announced_adapter(config, paths))  # fmt: skip
+                          adapter=announced_adapter(config, paths), batching=batching(config))  # fmt: skip
     # Built before the wait: the proxy's tokenizer and chat template (about 2 s, mostly importing transformers)
     # load while the inference stage is still loading its model, instead of after. The engine client reads
     # the registry again on its first request.
@@ -173,6 +181,7 @@ async def _open_pool(config: ArlConfig, paths: RunPaths, engine: EngineClient,
     try:
         async with open_pool(config.model, config.proxy, admin_key=admin_key_for(config, paths), http=http,
                              run_root=str(paths.root), request_timeout_s=config.inference.request_timeout_s,
+                             batching=batching(config),
                              on_end=on_end if subscribe is not None else None,
                              adapters=engine.adapter is not None) as (pool, control):  # fmt: skip
             if subscribe is not None:

@@ -34,6 +34,12 @@ class InferenceConfig(Block):
     """Deadline for a server to become healthy."""
     request_timeout_s: float = Field(600.0, gt=0)
     """Per-request deadline in the engine client."""
+    batch_window_ms: float = Field(0.0, ge=0, le=100)
+    """> 0: the proxy gathers the completions it sends one server over this many milliseconds (at most
+    `max_batch_size` of them) into one batched `/generate` request, SGLang's batch form; streamed calls are
+    never gathered. It saves the per-request HTTP work, which dominates short completions on a small machine,
+    and couples latencies: a batch is answered when its longest completion ends. For short, similar
+    completions (docs/inference.md, "Batching requests"); 0 = one request per completion."""
     min_servers: int | None = Field(None, ge=1)
     """A new weight version is announced (and generation resumed) once this many servers verified it;
     `None` = every server that took part in the swap, so a server taken out must come back (restarted by

@@ -543,7 +543,15 @@ class StandInScheduler:
 
     # -- the record --------------------------------------------------------------------------------
     def record(self, request: Any) -> None:
-        entry = {"type": type(request).__name__.lstrip("_"), "time": time.time(), **_fields(request)}
+        items = getattr(request, "batch", None)
+        if isinstance(items, list):  # SGLang's batched form: one entry per request it carries, with the batch's size
+            for item in items:
+                self._write(item, batch=len(items))
+            return
+        self._write(request)
+
+    def _write(self, request: Any, **extra: Any) -> None:
+        entry = {"type": type(request).__name__.lstrip("_"), "time": time.time(), **_fields(request), **extra}
         with open(self.record_path, "a") as handle:
             handle.write(json.dumps(entry) + "\n")
 

@@ -32,6 +32,7 @@ import torch
 
 from pipeline.config import load_config
 from pipeline.engine.client import EngineClient, EngineError
+from pipeline.engine.client.coalesce import BatchPolicy
 from pipeline.engine.net import free_port
 from pipeline.engine.server.procs import LORA_ADAPTERS, REPO_ROOT, sglang_command
 from pipeline.engine.server.requests import Limits, expand
@@ -334,6 +335,23 @@ async def test_generate_body_and_answer(judge: Judge) -> None:
     assert len(result.output_ids) == len(result.output_logprobs) == result.completion_tokens == 6
     assert result.prompt_tokens == len(PROMPT)
     assert result.weight_version == int(judge.model_info()["weight_version"])
+
+
+async def test_batched_completions_are_one_request_each_answered(judge: Judge) -> None:
+    """`inference.batch_window_ms`: completions gathered into one SGLang batch request (arl's `batch_body`), read by
+    SGLang's own code as one generation per completion, with its own rid and sampling parameters."""
+    params = [{"max_new_tokens": n, "sampling_seed": 3 + n} for n in (2, 3, 4)]
+    mark = judge.mark()
+    async with EngineClient([judge.url], health_interval_s=0, request_timeout_s=60,
+                            batching=BatchPolicy(window_s=0.5, max_batch=8)) as engine:  # fmt: skip
+        results = await asyncio.gather(*(engine.generate([*PROMPT, n], p) for n, p in enumerate(params)))
+    requests = sorted(judge.generations(mark), key=lambda r: r["input_ids"][-1])
+    assert [r["batch"] for r in requests] == [3, 3, 3], "one batch reached the scheduler"
+    assert [r["input_ids"] for r in requests] == [[*PROMPT, n] for n in range(3)]
+    assert [r["sampling_params"]["max_new_tokens"] for r in requests] == [2, 3, 4]
+    assert len({r["rid"] for r in requests}) == 3
+    assert [len(r.output_ids) for r in results] == [2, 3, 4]
+    assert all(len(r.output_logprobs) == len(r.output_ids) for r in results)
 
 
 async def test_stream_is_the_same_completion(judge: Judge) -> None:

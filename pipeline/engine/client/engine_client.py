@@ -38,6 +38,7 @@ from typing import Any
 import aiohttp
 
 from pipeline.engine.client.admin import AdminCalls
+from pipeline.engine.client.coalesce import BatchPolicy, Coalescer
 from pipeline.engine.client.wire import (
     EngineError,
     GenerateChunk,
@@ -49,6 +50,7 @@ from pipeline.engine.client.wire import (
     chunk_from,
     raise_for_status,
     result_from,
+    single_answer,
     sse_payloads,
 )
 from schemas.engine_api import lora_adapter_version
@@ -84,8 +86,12 @@ class EngineClient(AdminCalls):
         request_timeout_s: float = 600.0,
         health_interval_s: float = 5.0,
         adapter: Callable[[], str | None] | None = None,
+        batching: BatchPolicy | None = None,
     ) -> None:
         self._url_source = urls
+        self.batching = batching or BatchPolicy()
+        """Non-streamed completions to one server gathered into batch requests (`pipeline.engine.client.coalesce`)."""
+        self._coalescers: dict[str, Coalescer] = {}
         self.adapter = adapter
         """The LoRA adapter new requests name (`lora_path`), asked per request; None: the base model."""
         self.request_timeout_s = request_timeout_s
@@ -114,6 +120,8 @@ class EngineClient(AdminCalls):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
             self._health_task = None
+        for coalescer in self._coalescers.values():
+            await coalescer.close()
         if self._background:
             await asyncio.wait(self._background, timeout=_ABORT_TIMEOUT_S)
         if self._session is not None:
@@ -266,6 +274,17 @@ class EngineClient(AdminCalls):
             server.inflight -= 1
 
     async def _post_generate(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One completion's answer: through the server's coalescer with `batch_window_s`, else on its own."""
+        if self.batching.window_s > 0:
+            coalescer = self._coalescers.get(url)
+            if coalescer is None:
+                coalescer = Coalescer(url, self._post, self.batching)
+                self._coalescers[url] = coalescer
+            return await coalescer.submit(body)
+        return single_answer(await self._post(url, body), url)
+
+    async def _post(self, url: str, body: dict[str, Any]) -> Any:
+        """POST `/generate` (not streamed); the decoded answer, an object or a batch's list."""
         for attempt in (1, 2):
             try:
                 async with self._http().post(f"{url}/generate", json=body) as resp:
@@ -280,10 +299,6 @@ class EngineClient(AdminCalls):
                 log.debug("connection to %s was closed by the server; retrying once", url)
             except _CONNECTION_ERRORS as exc:
                 raise Retryable(f"{type(exc).__name__}: {exc}") from exc
-        if isinstance(data, list):  # a server that answers a single prompt as a batch of one
-            data = data[0]
-        if not isinstance(data, dict):
-            raise EngineError(f"{url}/generate answered {type(data).__name__}, expected an object", server=url)
         return data
 
     # -- routing ----------------------------------------------------------------------------

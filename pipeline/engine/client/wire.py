@@ -148,6 +148,15 @@ def json_or_text(text: str) -> Any:
         return text
 
 
+def single_answer(data: Any, url: str) -> dict[str, Any]:
+    """A single prompt's `/generate` answer (a server may answer one prompt as a batch of one)."""
+    if isinstance(data, list) and len(data) == 1:
+        data = data[0]
+    if not isinstance(data, dict):
+        raise EngineError(f"{url}/generate answered {type(data).__name__}, expected an object", server=url)
+    return data
+
+
 async def raise_for_status(resp: aiohttp.ClientResponse, url: str) -> None:
     if resp.status < 400:
         return
