@@ -69,12 +69,8 @@ class LiteralSpecials:
             copy = {**(copy or message), "reasoning_content": self.escape(reasoning)}
         calls = message.get("tool_calls")
         if calls and any(self._needs(_arguments(c)) for c in calls):
-            copy = {
-                **(copy or message),
-                "tool_calls": [
-                    _with_arguments(c, self.escape(_arguments(c))) if self._needs(_arguments(c)) else c for c in calls
-                ],
-            }
+            copy = {**(copy or message), "tool_calls": [_with_arguments(c, self.escape(_arguments(c)))
+                                                         if self._needs(_arguments(c)) else c for c in calls]}
         return copy if copy is not None else message
 
     def _needs(self, text: Any) -> bool:
