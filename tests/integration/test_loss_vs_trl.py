@@ -171,3 +171,164 @@ def test_arl_loss_and_gradient_equal_trls(tiny_model_dir: Path, policy_dir: Path
     scale = max(float(g.abs().max()) for g in trl_grads.values())
     worst = max(float((arl_grads[k] - trl_grads[k]).abs().max()) for k in trl_grads)
     assert scale > 1e-4 and worst <= 1e-4 * scale, (worst, scale)
+
+
+# --------------------------------------------------------------------------- a whole step: four updates
+
+STEP_MINIBATCHES, STEP_SAMPLES = 4, 16
+STEP_OPTIONS = {"lr": 3e-3, "eps": 1e-6, "grad_clip": 0.5, "seed": 5}
+
+
+def _step_samples(model_dir: Path) -> tuple[list[Sample], list[list[int]]]:
+    """Four groups of four completions of one prompt each, behaviour log-probs the model's own (sync: the sampler
+    held these weights), and arl's minibatch split of them. Completion lengths 1..4 within every minibatch, so each
+    minibatch holds the same number of tokens: TRL's `dapo` divides every update by the generation's tokens / 4,
+    arl by the minibatch's own, which then agree (docs/trainer.md)."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.trainer.packing import split_minibatches
+
+    split = split_minibatches(STEP_SAMPLES, STEP_MINIBATCHES, STEP_OPTIONS["seed"], 0)
+    length = {i: 1 + position for members in split for position, i in enumerate(members)}
+    rng = np.random.default_rng(3)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    prompts = [rng.integers(0, vocab, size=4 + g).tolist() for g in range(STEP_SAMPLES // GROUP_SIZE)]
+    samples = []
+    for i in range(STEP_SAMPLES):
+        prompt, completion = prompts[i // GROUP_SIZE], rng.integers(0, vocab, size=length[i]).tolist()
+        ids = np.array(prompt + completion)
+        with torch.no_grad():
+            logits = model(input_ids=torch.from_numpy(ids)[None]).logits[0, :-1].float() / TEMPERATURE
+        own = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
+        mask = np.array([0] * len(prompt) + [1] * len(completion), dtype=np.int8)
+        logprobs = np.where(mask == 1, np.concatenate([[0.0], own]), 0.0).astype(np.float32)
+        samples.append(Sample(f"s{i}", f"g{i // GROUP_SIZE}", ids, mask, logprobs, np.where(mask == 1, 0, -1),
+                              float(rng.integers(0, 6)) / 5))  # the demo's reward grid: 0, 0.2, ..., 1  # fmt: skip
+    return samples, split
+
+
+def _arl_step(tmp_path: Path, model_dir: Path, samples: list[Sample]) -> dict[str, torch.Tensor]:
+    """The weights after arl's trainer (`Trainer.plan` + `Trainer.update`, as `train_step` runs them) takes one
+    step of four minibatch updates from the initial model, which is also the KL reference."""
+    from pipeline.config import dump_config
+    from pipeline.handoff import write_text_atomic
+    from pipeline.paths import RunPaths
+    from pipeline.trainer.data import StepData
+    from pipeline.trainer.loop import Trainer
+    from pipeline.trainer.metrics import Timings
+
+    opt = STEP_OPTIONS
+    config = load_config(None, [f"fileroot={tmp_path}", "experiment_name=x", "trial_name=step",
+                                f"model.path={model_dir}", "trainer.device=cpu", "num_steps=1",
+                                f"rollout.temperature={TEMPERATURE}", f"trainer.minibatches={STEP_MINIBATCHES}",
+                                f"trainer.seed={opt['seed']}", "trainer.algorithm.advantage=grpo",
+                                f"trainer.algorithm.kl_coef={KL_COEF}", f"trainer.algorithm.clip_eps={CLIP}",
+                                "trainer.algorithm.loss_agg=token", f"trainer.optimizer.lr={opt['lr']}",
+                                f"trainer.optimizer.eps={opt['eps']}",
+                                f"trainer.optimizer.grad_clip={opt['grad_clip']}",
+                                "trainer.optimizer.weight_decay=0.0", "trainer.optimizer.schedule=constant",
+                                "trainer.optimizer.warmup_steps=0"])  # fmt: skip
+    assert config.trainer.algorithm.decoupled, "the demo's setting: proximal log-probs recomputed once per step"
+    paths = RunPaths.from_config(config.fileroot, config.experiment_name, config.trial_name)
+    write_text_atomic(paths.config, dump_config(config))
+    trainer = Trainer(config, paths)
+    try:
+        trainer.start_from(0)
+        advantages = compute_advantages([s.reward for s in samples], [s.group_id for s in samples], "grpo")
+        plan = trainer.plan(StepData(0, samples), advantages, 0)
+        assert len(plan) == STEP_MINIBATCHES
+        trainer.update(plan, Timings())
+        backend = trainer.backend
+        assert isinstance(backend, TorchBackend)
+        return {name: p.detach().clone() for name, p in backend.model.named_parameters()}
+    finally:
+        trainer.close()
+
+
+def _trl_step(tmp_path: Path, model_dir: Path, samples: list[Sample], split: list[list[int]],
+              monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, torch.Tensor], list[float]]:  # fmt: skip
+    """The weights after TRL's own training loop (`GRPOTrainer.train`: its minibatch buffering, `_compute_loss`,
+    the HF Trainer's AdamW, scheduler and gradient clipping) takes the four updates of one generation made of the
+    same samples. Only generation is replaced (the samples are given, not sampled), and TRL's shuffle of the
+    generation is replaced by arl's split, so each update sees the same samples on both sides."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    order = [i for members in split for i in members]
+    ordered = [samples[i] for i in order]
+    advantages = _advantages(samples)[order]
+    opt = STEP_OPTIONS
+
+    class Given(trl.GRPOTrainer):
+        def _generate_and_score_completions(self, generation_batch: Any) -> dict[str, Any]:
+            inputs = _given_inputs(ordered, self)
+            inputs["advantages"] = torch.tensor(advantages, dtype=torch.float32)
+            return inputs
+
+    norms: list[float] = []
+
+    class GradNorms(TrainerCallback):
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+            if logs and "grad_norm" in logs:
+                norms.append(float(logs["grad_norm"]))
+
+    monkeypatch.setattr("trl.trainer.grpo_trainer.shuffle_sequence_dict", lambda batch: batch)
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "trl-step"), seed=opt["seed"], use_cpu=True,
+                          num_generations=GROUP_SIZE, per_device_train_batch_size=STEP_SAMPLES // STEP_MINIBATCHES,
+                          gradient_accumulation_steps=1, steps_per_generation=STEP_MINIBATCHES, num_iterations=1,
+                          max_steps=STEP_MINIBATCHES, temperature=TEMPERATURE, max_completion_length=8,
+                          learning_rate=opt["lr"], lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+                          adam_epsilon=opt["eps"], weight_decay=0.0, max_grad_norm=opt["grad_clip"],
+                          beta=KL_COEF, use_bias_correction_kl=False, epsilon=CLIP, loss_type="dapo",
+                          scale_rewards="group", bf16=False, gradient_checkpointing=False, report_to=[],
+                          logging_steps=1, save_strategy="no", disable_tqdm=True)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    trainer = Given(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                    train_dataset=Dataset.from_list([{"prompt": "x"}] * STEP_SAMPLES),
+                    callbacks=[GradNorms()])  # fmt: skip
+    trainer.train()
+    return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}, norms
+
+
+def _given_inputs(samples: list[Sample], trainer: Any) -> dict[str, Any]:
+    """A generation batch as `_generate_and_score_completions` returns it (left-padded prompts, right-padded
+    completions, the behaviour log-probs as TRL's old ones, the reference's per-token log-probs)."""
+    prompts = [s.input_ids[s.loss_mask == 0] for s in samples]
+    completions = [s.input_ids[s.loss_mask == 1] for s in samples]
+    width_p, width_c = max(map(len, prompts)), max(map(len, completions))
+    prompt_ids = torch.tensor([[0] * (width_p - len(p)) + p.tolist() for p in prompts])
+    prompt_mask = torch.tensor([[0] * (width_p - len(p)) + [1] * len(p) for p in prompts])
+    completion_ids = torch.tensor([c.tolist() + [0] * (width_c - len(c)) for c in completions])
+    completion_mask = torch.tensor([[1] * len(c) + [0] * (width_c - len(c)) for c in completions])
+    old = torch.tensor([s.logprobs[s.loss_mask == 1].tolist() + [0.0] * (width_c - int(s.loss_mask.sum()))
+                        for s in samples])  # fmt: skip
+    with torch.no_grad():
+        ref, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.ref_model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1),
+            width_c)  # fmt: skip
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+            "completion_mask": completion_mask, "old_per_token_logps": old, "ref_per_token_logps": ref,
+            "num_items_in_batch": completion_mask.sum()}  # fmt: skip
+
+
+def test_a_step_of_four_minibatch_updates_lands_on_trls_weights(tiny_model_dir: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """One sync step as the demo takes it (several minibatch updates of one generation, the old log-probs held
+    for all of them, KL to the initial model, AdamW, clipping on the global norm): arl's weights after the step
+    are TRL's. A wrong minibatch, a proximal log-prob refreshed per update, a different normaliser or learning
+    rate, or clipping on one side only would each move some weight by a sizeable share of its update."""
+    samples, split = _step_samples(tiny_model_dir)
+    arl_weights = _arl_step(tmp_path, tiny_model_dir, samples)
+    trl_weights, norms = _trl_step(tmp_path, tiny_model_dir, samples, split, monkeypatch)
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    start = {name: p.detach() for name, p in initial.named_parameters()}
+    assert len(norms) == STEP_MINIBATCHES and max(norms) > STEP_OPTIONS["grad_clip"], norms  # clipping engaged
+    assert arl_weights.keys() == trl_weights.keys()
+    moved = max(float((trl_weights[k] - start[k]).abs().max()) for k in trl_weights)
+    worst = max(float((arl_weights[k] - trl_weights[k]).abs().max()) for k in trl_weights)
+    print(f"largest update {moved:.3e}, largest arl - TRL difference {worst:.3e}, TRL grad norms {norms}")
+    assert moved > 0.5 * STEP_MINIBATCHES * STEP_OPTIONS["lr"], moved  # Adam moves some weights by ~lr an update
+    assert worst <= 1e-3 * moved, (worst, moved)
