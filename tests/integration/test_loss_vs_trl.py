@@ -6,6 +6,10 @@ The options are set as `benchmarks/_trl_align.grpo_config_kwargs` sets them (doc
 GRPO"): token-mean loss (`dapo` / `token`), PPO clip, k3 KL to the reference not multiplied by the ratio,
 temperature-scaled log-probs. The old (behaviour) log-probs are the policy's own plus noise, so a share of the
 ratios leaves the clip range, and the reference is a different model, so the KL term has a gradient.
+
+A whole step is judged too: TRL's own training loop (`GRPOTrainer.train`, only its generation replaced by the
+given samples and its shuffle by arl's minibatch split) and arl's `Trainer.plan` + `Trainer.update` take the four
+minibatch updates of one generation from the same weights, and end on the same weights.
 """
 
 from __future__ import annotations
@@ -134,6 +138,19 @@ def _trl_inputs(samples: list[Sample], trainer: Any, reference_dir: Path) -> dic
     advantages by TRL's own group scaling, the old log-probs (arl's behaviour ones) and the reference's."""
     from transformers import AutoModelForCausalLM
 
+    # arl's advantages: the loss is judged here, and TRL's group scaling differs by its epsilon (1e-4 vs 1e-6,
+    # docs/trainer.md), which would move the figures by ~3e-4 of their size.
+    advantages = torch.tensor(_advantages(samples), dtype=torch.float32)
+    # TRL made its reference from the policy's directory; give it the original weights (its own patched LM head,
+    # with TRL's temperature scaling, stays)
+    original = AutoModelForCausalLM.from_pretrained(str(reference_dir), dtype=torch.float32)
+    trainer.ref_model.load_state_dict(original.state_dict())
+    return {**_generation_batch(samples, trainer), "advantages": advantages}
+
+
+def _generation_batch(samples: list[Sample], trainer: Any) -> dict[str, Any]:
+    """`samples` as TRL's `_generate_and_score_completions` returns a generation (advantages aside): left-padded
+    prompts, right-padded completions, arl's behaviour log-probs as TRL's old ones, the reference's log-probs."""
     prompts = [s.input_ids[s.loss_mask == 0] for s in samples]
     completions = [s.input_ids[s.loss_mask == 1] for s in samples]
     width_p, width_c = max(map(len, prompts)), max(map(len, completions))
@@ -143,20 +160,13 @@ def _trl_inputs(samples: list[Sample], trainer: Any, reference_dir: Path) -> dic
     completion_mask = torch.tensor([[1] * len(c) + [0] * (width_c - len(c)) for c in completions])
     old = torch.tensor([s.logprobs[s.loss_mask == 1].tolist() + [0.0] * (width_c - int(s.loss_mask.sum()))
                         for s in samples])  # fmt: skip
-    # arl's advantages: the loss is judged here, and TRL's group scaling differs by its epsilon (1e-4 vs 1e-6,
-    # docs/trainer.md), which would move the figures by ~3e-4 of their size.
-    advantages = torch.tensor(_advantages(samples), dtype=torch.float32)
-    # TRL made its reference from the policy's directory; give it the original weights (its own patched LM head,
-    # with TRL's temperature scaling, stays)
-    original = AutoModelForCausalLM.from_pretrained(str(reference_dir), dtype=torch.float32)
-    trainer.ref_model.load_state_dict(original.state_dict())
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, completion_mask], 1)
     with torch.no_grad():
         ref, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, input_ids, attention_mask, width_c)
     return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-            "completion_mask": completion_mask, "advantages": advantages, "old_per_token_logps": old,
-            "ref_per_token_logps": ref, "num_items_in_batch": completion_mask.sum()}  # fmt: skip
+            "completion_mask": completion_mask, "old_per_token_logps": old, "ref_per_token_logps": ref,
+            "num_items_in_batch": completion_mask.sum()}  # fmt: skip
 
 
 @pytest.mark.parametrize("packing", ["padded", "packed"])
@@ -262,7 +272,7 @@ def _trl_step(tmp_path: Path, model_dir: Path, samples: list[Sample], split: lis
 
     class Given(trl.GRPOTrainer):
         def _generate_and_score_completions(self, generation_batch: Any) -> dict[str, Any]:
-            inputs = _given_inputs(ordered, self)
+            inputs = _generation_batch(ordered, self)
             inputs["advantages"] = torch.tensor(advantages, dtype=torch.float32)
             return inputs
 
@@ -289,27 +299,6 @@ def _trl_step(tmp_path: Path, model_dir: Path, samples: list[Sample], split: lis
                     callbacks=[GradNorms()])  # fmt: skip
     trainer.train()
     return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}, norms
-
-
-def _given_inputs(samples: list[Sample], trainer: Any) -> dict[str, Any]:
-    """A generation batch as `_generate_and_score_completions` returns it (left-padded prompts, right-padded
-    completions, the behaviour log-probs as TRL's old ones, the reference's per-token log-probs)."""
-    prompts = [s.input_ids[s.loss_mask == 0] for s in samples]
-    completions = [s.input_ids[s.loss_mask == 1] for s in samples]
-    width_p, width_c = max(map(len, prompts)), max(map(len, completions))
-    prompt_ids = torch.tensor([[0] * (width_p - len(p)) + p.tolist() for p in prompts])
-    prompt_mask = torch.tensor([[0] * (width_p - len(p)) + [1] * len(p) for p in prompts])
-    completion_ids = torch.tensor([c.tolist() + [0] * (width_c - len(c)) for c in completions])
-    completion_mask = torch.tensor([[1] * len(c) + [0] * (width_c - len(c)) for c in completions])
-    old = torch.tensor([s.logprobs[s.loss_mask == 1].tolist() + [0.0] * (width_c - int(s.loss_mask.sum()))
-                        for s in samples])  # fmt: skip
-    with torch.no_grad():
-        ref, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.ref_model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1),
-            width_c)  # fmt: skip
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-            "completion_mask": completion_mask, "old_per_token_logps": old, "ref_per_token_logps": ref,
-            "num_items_in_batch": completion_mask.sum()}  # fmt: skip
 
 
 def test_a_step_of_four_minibatch_updates_lands_on_trls_weights(tiny_model_dir: Path, tmp_path: Path,
