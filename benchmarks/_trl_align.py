@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -189,3 +190,40 @@ def spec_json(calls: list[PromptCall], route: str, config: ArlConfig, trl_kwargs
         "agent": config.rollout.agent, "agent_kwargs": config.rollout.agent_kwargs, "agent_mode": config.rollout.mode,
         "prompts": [asdict(c) for c in calls],
     }  # fmt: skip
+
+
+def rescore_shards(run_dir: Path, steps: int) -> tuple[int, list[str]] | None:
+    """Every sample of an arl run's first `steps` shards scored the way TRL's reward function scores a completion:
+    TRL's decoding of the completion ids (`batch_decode(..., skip_special_tokens=True)`) given to the agent's `score`
+    with the arguments the agent passed it for that prompt. Returns (samples checked, a description of each sample
+    whose reward differs from the one arl recorded), or None when the agent's reward is not `score`'s."""
+    from transformers import AutoTokenizer
+
+    from pipeline.config import config_from_run_dir
+    from pipeline.paths import RunPaths
+    from pipeline.shards import read_step
+
+    config = config_from_run_dir(run_dir)
+    rollout = config.rollout
+    agent = resolve_agent(rollout.agent, rollout.agent_kwargs, mode=rollout.mode)
+    score = agent.obj.run.__func__.__globals__.get("score") if hasattr(agent.obj.run, "__func__") else None
+    rows, calls = load_rows(rollout.dataset), {}
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    checked, differing = 0, []
+    for step in range(steps):
+        table = read_step(RunPaths(run_dir), step, verify=False,
+                          columns=["input_ids", "prompt_len", "reward", "metadata"]).to_pylist()  # fmt: skip
+        for row in table:
+            index = int(json.loads(row["metadata"])["dataset_index"])
+            if index not in calls:
+                calls[index] = _capture_one(agent, rows[index], step, rollout.temperature)
+            call = calls[index]
+            if score is None or not call.direct or call.score_args is None:
+                return None
+            text = tokenizer.decode(row["input_ids"][row["prompt_len"] :], skip_special_tokens=True)
+            result = score(text, *call.score_args, **call.score_kwargs)
+            reward = float(result[0] if isinstance(result, tuple) else result)
+            checked += 1
+            if abs(reward - row["reward"]) > 1e-6:  # the shard stores float32
+                differing.append(f"step {step} {text!r}: TRL's way {reward}, arl {row['reward']}")
+    return checked, differing

@@ -84,6 +84,8 @@ class Run:
     cpu_s: float = 0.0
     """CPU seconds of every process of the run (the run's process and all it waited for: arl's launcher,
     stages and inference servers), from the OS's accounting of reaped children."""
+    run_dir: Path | None = None
+    """arl: the run directory the demo made."""
     """arl: the step timeline's intervals (docs/operations.md), mean seconds per step, by `<stage> <key>`."""
     """TRL's runs: whether its prompt token ids equal arl-sync's for the same seed, step by step."""
 
@@ -233,6 +235,7 @@ def run_arl(label: str, workdir: Path, steps: int, seed: int, staleness: int, ov
         load=load,
         timeline=_arl_timeline(rollout, train),
         cpu_s=cpu_s,
+        run_dir=run_dir,
     )
 
 

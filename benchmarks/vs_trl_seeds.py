@@ -12,7 +12,9 @@ order, reward and options; the same functions), for `--seeds` seeds, and compare
 * unpaired (Welch): the same figures treating the two sets of runs as independent samples. TRL's runs are
   deterministic given the seed (the same seed repeats its rewards bit for bit), arl's are not (its requests are
   sampled in arrival order), so pairing only shares the prompt order;
-* how many seeds arl-sync is above TRL (a sign count).
+* how many seeds arl-sync is above TRL (a sign count);
+* that both sides reward the same tokens alike: every arl-sync sample rescored the way TRL's reward function scores
+  a completion (TRL's decoding of the completion ids, then the agent's `score`) equals the reward arl recorded.
 
 Goal: arl-sync's reward per step within noise of TRL's: the 95% interval of the paired mean difference contains 0
 for the all-steps and last-20% means. Every run's per-step rewards are written to WORKDIR/seeds.json as the runs
@@ -70,12 +72,14 @@ def main() -> int:
           f"{workdir}", flush=True)  # fmt: skip
     started = time.time()
     pairs: list[tuple[Run, Run]] = []
+    rescored: list[tuple[int, int] | None] = []
     try:
         for seed in seeds:
             overrides = seed_overrides(seed)
             trl = run_trl(workdir, model_dir, args.steps, seed, overrides)
             sync = run_arl("arl-sync", workdir, args.steps, seed, 0, overrides)
             report_prompt_check([trl, sync])
+            rescored.append(report_rescore(sync))
             pairs.append((trl, sync))
             save(workdir / "seeds.json", pairs)
             print(f"   seed {seed}: mean reward TRL {statistics.fmean(trl.rewards):.3f}, arl-sync "
@@ -84,6 +88,9 @@ def main() -> int:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     figures, targets = compare(pairs, args.threshold, args.smooth)
+    if None not in rescored:
+        checked, differing = (sum(r[i] for r in rescored if r is not None) for i in (0, 1))
+        figures["arl-sync samples rescored as TRL scores them, differing / checked"] = f"{differing} / {checked}"
     for key, value in {**figures, **targets}.items():
         print(f"{key}: {value}")
     print("RESULT " + json.dumps({"name": "vs_trl_seeds", "figures": figures, "ratios": {}, "targets": targets,
@@ -105,6 +112,22 @@ def parse_args() -> argparse.Namespace:
     if args.seeds < 2 or args.steps < WINDOWS or args.first_seed < 0:
         parser.error(f"--seeds must be >= 2, --steps >= {WINDOWS} and --first-seed >= 0")
     return args
+
+
+def report_rescore(run: Run) -> tuple[int, int] | None:
+    """Rescore the run's samples as TRL's reward function would (`_trl_align.rescore_shards`): the same reward from
+    the same tokens on both sides, or the pair could differ for that reason alone."""
+    from _trl_align import rescore_shards
+
+    assert run.run_dir is not None
+    result = rescore_shards(run.run_dir, len(run.rewards))
+    if result is None:
+        print("   rewards: the agent's reward is not its `score`'s; not rescored")
+        return None
+    checked, differing = result
+    print(f"   rewards of arl's {checked} samples rescored as TRL scores a completion (its decoding, the agent's "
+          f"`score`): {len(differing)} differ{''.join(chr(10) + '     ' + d for d in differing[:5])}")  # fmt: skip
+    return checked, len(differing)
 
 
 def save(path: Path, pairs: list[tuple[Run, Run]]) -> None:
