@@ -19,7 +19,8 @@ order, reward and options; the same functions), for `--seeds` seeds, and compare
 Goal: arl-sync's reward per step within noise of TRL's: the 95% interval of the paired mean difference contains 0
 for the all-steps and last-20% means. Every run's per-step rewards are written to WORKDIR/seeds.json as the runs
 end, so a run cut short keeps what it measured.
-Usage: python benchmarks/vs_trl_seeds.py [--seeds 10] [--first-seed 0] [--steps 60] [--workdir DIR]
+Usage: python benchmarks/vs_trl_seeds.py [--seeds 10] [--first-seed 0] [--steps 60] [--workdir DIR] [--png PATH]
+       python benchmarks/vs_trl_seeds.py --report DIR/seeds.json [--png PATH]   (compare saved runs again)
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ WINDOWS = 6
 
 def main() -> int:
     args = parse_args()
+    if args.report:
+        return finish(*load(Path(args.report)), args, started=time.time())
     require_trl()
     from pipeline.demo import MODEL_NAME, ensure_tiny_model
 
@@ -81,16 +84,25 @@ def main() -> int:
             report_prompt_check([trl, sync])
             rescored.append(report_rescore(sync))
             pairs.append((trl, sync))
-            save(workdir / "seeds.json", pairs)
+            save(workdir / "seeds.json", pairs, rescored)
             print(f"   seed {seed}: mean reward TRL {statistics.fmean(trl.rewards):.3f}, arl-sync "
                   f"{statistics.fmean(sync.rewards):.3f}", flush=True)  # fmt: skip
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
+    return finish(pairs, rescored, args, started)
+
+
+def finish(pairs: list[tuple[Run, Run]], rescored: list[tuple[int, int] | None], args: argparse.Namespace,
+           started: float) -> int:  # fmt: skip
+    """Compare, print the figures and the RESULT line, and draw the curves when asked."""
     figures, targets = compare(pairs, args.threshold, args.smooth)
-    if None not in rescored:
+    if rescored and None not in rescored:
         checked, differing = (sum(r[i] for r in rescored if r is not None) for i in (0, 1))
         figures["arl-sync samples rescored as TRL scores them, differing / checked"] = f"{differing} / {checked}"
+    if args.png:
+        plot(pairs, Path(args.png))
+        print(f"curves: {args.png}")
     for key, value in {**figures, **targets}.items():
         print(f"{key}: {value}")
     print("RESULT " + json.dumps({"name": "vs_trl_seeds", "figures": figures, "ratios": {}, "targets": targets,
@@ -108,6 +120,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="reward level of the take-off")
     parser.add_argument("--smooth", type=int, default=3, help="steps in the trailing mean compared to the threshold")
     parser.add_argument("--workdir", default=None, help="keep the runs here (default: a temp dir, removed)")
+    parser.add_argument("--png", default=None, help="draw every seed's curves and their means to this PNG")
+    parser.add_argument("--report", default=None, metavar="SEEDS_JSON",
+                        help="run nothing: compare the runs saved in a workdir's seeds.json")  # fmt: skip
     args = parser.parse_args()
     if args.seeds < 2 or args.steps < WINDOWS or args.first_seed < 0:
         parser.error(f"--seeds must be >= 2, --steps >= {WINDOWS} and --first-seed >= 0")
@@ -130,10 +145,43 @@ def report_rescore(run: Run) -> tuple[int, int] | None:
     return checked, len(differing)
 
 
-def save(path: Path, pairs: list[tuple[Run, Run]]) -> None:
-    rows = [{"seed": t.seed, "trl": t.rewards, "arl-sync": s.rewards, "prompts_identical": t.prompts_identical}
-            for t, s in pairs]  # fmt: skip
+def save(path: Path, pairs: list[tuple[Run, Run]], rescored: list[tuple[int, int] | None]) -> None:
+    """Each seed's per-step rewards and checks, rewritten after every seed (what `--report` reads)."""
+    rows = [{"seed": t.seed, "trl": t.rewards, "arl-sync": s.rewards, "prompts_identical": t.prompts_identical,
+             "rescored": r} for (t, s), r in zip(pairs, rescored, strict=True)]  # fmt: skip
     path.write_text(json.dumps(rows))
+
+
+def load(path: Path) -> tuple[list[tuple[Run, Run]], list[tuple[int, int] | None]]:
+    rows = json.loads(path.read_text())
+    pairs = [(Run("trl", r["seed"], r["trl"], [], 0.0, 0.0, 0.0, prompts_identical=r["prompts_identical"]),
+              Run("arl-sync", r["seed"], r["arl-sync"], [], 0.0, 0.0, 0.0)) for r in rows]  # fmt: skip
+    return pairs, [tuple(r["rescored"]) if r.get("rescored") else None for r in rows]  # type: ignore[misc]
+
+
+def plot(pairs: list[tuple[Run, Run]], path: Path) -> None:
+    """Every seed's reward curve, thin, and the mean over seeds, thick, for TRL and arl-sync."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for index, (label, colour) in enumerate((("TRL 1.16 GRPOTrainer", "tab:orange"), ("arl-sync", "tab:blue"))):
+        curves = [pair[index].rewards for pair in pairs]
+        for curve in curves:
+            ax.plot(curve, color=colour, alpha=0.25, linewidth=0.8)
+        mean = [statistics.fmean(values) for values in zip(*curves, strict=True)]
+        ax.plot(mean, color=colour, linewidth=2.2, label=f"{label}: mean of {len(curves)} seeds")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward of the step's samples")
+    ax.set_title("the demo's task: TRL and arl-sync, same model, prompts, reward and options")
+    ax.legend(loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def welch(a: list[float], b: list[float]) -> tuple[float, float]:
