@@ -6,9 +6,10 @@ found varies by several steps between runs of one seed). This runs only the two 
 and arl-sync (`arl demo --max-staleness 0`), exactly as vs_trl.py runs them (the same model, prompts in arl's
 order, reward and options; the same functions), for `--seeds` seeds, and compares their rewards:
 
-* paired by seed (same prompt order): the mean of the per-seed differences and its 95% Student interval, for
-  the mean reward over all steps, over the last 20% of steps, over each tenth of the run, and for the step at
-  which the trailing mean first reaches `--threshold`;
+* paired by seed (same prompt order; with `--prompt-seed`, every run has one prompt order and the seeds vary only
+  the random streams of sampling and minibatch order): the mean of the per-seed differences and its 95% Student
+  interval, for the mean reward over all steps, over the last 20% of steps, over each sixth of the run, and for
+  the step at which the trailing mean first reaches `--threshold`;
 * unpaired (Welch): the same figures treating the two sets of runs as independent samples. TRL's runs are
   deterministic given the seed (the same seed repeats its rewards bit for bit), arl's are not (its requests are
   sampled in arrival order), so pairing only shares the prompt order;
@@ -19,7 +20,8 @@ order, reward and options; the same functions), for `--seeds` seeds, and compare
 Goal: arl-sync's reward per step within noise of TRL's: the 95% interval of the paired mean difference contains 0
 for the all-steps and last-20% means. Every run's per-step rewards are written to WORKDIR/seeds.json as the runs
 end, so a run cut short keeps what it measured.
-Usage: python benchmarks/vs_trl_seeds.py [--seeds 10] [--first-seed 0] [--steps 60] [--workdir DIR] [--png PATH]
+Usage: python benchmarks/vs_trl_seeds.py [--seeds 10] [--first-seed 0] [--steps 60] [--prompt-seed P] [--workdir DIR]
+                                         [--png PATH]
        python benchmarks/vs_trl_seeds.py --report DIR/seeds.json [--png PATH]   (compare saved runs again)
 """
 
@@ -79,6 +81,8 @@ def main() -> int:
     try:
         for seed in seeds:
             overrides = seed_overrides(seed)
+            if args.prompt_seed is not None:  # after the seed's own dataset seed: the later override wins
+                overrides.append(f"rollout.dataset.seed={args.prompt_seed}")
             trl = run_trl(workdir, model_dir, args.steps, seed, overrides)
             sync = run_arl("arl-sync", workdir, args.steps, seed, 0, overrides)
             report_prompt_check([trl, sync])
@@ -120,6 +124,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="reward level of the take-off")
     parser.add_argument("--smooth", type=int, default=3, help="steps in the trailing mean compared to the threshold")
     parser.add_argument("--workdir", default=None, help="keep the runs here (default: a temp dir, removed)")
+    parser.add_argument("--prompt-seed", type=int, default=None,
+                        help="one prompt order for every run (default: each seed its own); the seeds then vary only "
+                             "the random streams of sampling and minibatch order")  # fmt: skip
     parser.add_argument("--png", default=None, help="draw every seed's curves and their means to this PNG")
     parser.add_argument("--report", default=None, metavar="SEEDS_JSON",
                         help="run nothing: compare the runs saved in a workdir's seeds.json")  # fmt: skip
