@@ -34,7 +34,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +65,7 @@ WINDOWS = 6
 def main() -> int:
     args = parse_args()
     if args.report:
-        return finish(*load(Path(args.report)), args, started=time.time())
+        return finish(*load(Path(args.report)), args)
     require_trl()
     from pipeline.demo import MODEL_NAME, ensure_tiny_model
 
@@ -75,7 +74,6 @@ def main() -> int:
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     print(f"vs_trl_seeds: seeds {seeds.start}..{seeds.stop - 1} x {args.steps} steps, TRL then arl-sync; work dir "
           f"{workdir}", flush=True)  # fmt: skip
-    started = time.time()
     pairs: list[tuple[Run, Run]] = []
     rescored: list[tuple[int, int] | None] = []
     try:
@@ -94,11 +92,10 @@ def main() -> int:
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-    return finish(pairs, rescored, args, started)
+    return finish(pairs, rescored, args)
 
 
-def finish(pairs: list[tuple[Run, Run]], rescored: list[tuple[int, int] | None], args: argparse.Namespace,
-           started: float) -> int:  # fmt: skip
+def finish(pairs: list[tuple[Run, Run]], rescored: list[tuple[int, int] | None], args: argparse.Namespace) -> int:
     """Compare, print the figures and the RESULT line, and draw the curves when asked."""
     figures, targets = compare(pairs, args.threshold, args.smooth)
     if rescored and None not in rescored:
@@ -110,7 +107,6 @@ def finish(pairs: list[tuple[Run, Run]], rescored: list[tuple[int, int] | None],
     for key, value in {**figures, **targets}.items():
         print(f"{key}: {value}")
     print("RESULT " + json.dumps({"name": "vs_trl_seeds", "figures": figures, "ratios": {}, "targets": targets,
-                                  "seconds": round(time.time() - started, 1),
                                   "reference": "TRL 1.16 GRPOTrainer, same model, prompts, reward and options, "
                                                "one run per seed beside arl-sync's"}))  # fmt: skip
     return 0
