@@ -50,8 +50,7 @@ class Coalescer:
     def __init__(self, url: str, post: Post, policy: BatchPolicy) -> None:
         self.url = url
         self.post = post
-        self.window_s = policy.window_s
-        self.max_batch = policy.max_batch
+        self.policy = policy
         self._pending: list[tuple[dict[str, Any], asyncio.Future[dict[str, Any]]]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._sending: set[asyncio.Task[None]] = set()
@@ -61,10 +60,10 @@ class Coalescer:
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         entry = (body, future)
         self._pending.append(entry)
-        if len(self._pending) >= self.max_batch:
+        if len(self._pending) >= self.policy.max_batch:
             self._flush()
         elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.window_s, self._flush)
+            self._timer = asyncio.get_running_loop().call_later(self.policy.window_s, self._flush)
         try:
             return await future
         except asyncio.CancelledError:
