@@ -74,7 +74,7 @@ def _capture_one(agent: Agent, data: dict[str, Any], step: int, temperature: flo
         return httpx.Response(200, json=completion_json(body.get("model", "arl-policy"), SENTINEL_REPLY))
 
     recorded: list[tuple[tuple[Any, ...], dict[str, Any], Any]] = []
-    namespace = agent.obj.run.__func__.__globals__ if hasattr(agent.obj.run, "__func__") else {}
+    namespace = agent_namespace(agent)
     original = namespace.get("score")
     if callable(original):
 
@@ -104,6 +104,13 @@ def _capture_one(agent: Agent, data: dict[str, Any], step: int, temperature: flo
         first = returned[0] if isinstance(returned, tuple) and len(returned) == 2 else None
         call.direct = returned is result or returned is reward_of_score or first is reward_of_score
     return call
+
+
+def agent_namespace(agent: Agent) -> dict[str, Any]:
+    """The globals of the module defining the agent's `run` (where its `score` lives); empty when `run` is not a
+    plain method."""
+    run = agent.obj.run
+    return run.__func__.__globals__ if hasattr(run, "__func__") else {}
 
 
 async def _run_agent(agent: Agent, data: dict[str, Any], answer: Any, temperature: float) -> Any:
@@ -206,19 +213,21 @@ def rescore_shards(run_dir: Path, steps: int) -> tuple[int, list[str]] | None:
     config = config_from_run_dir(run_dir)
     rollout = config.rollout
     agent = resolve_agent(rollout.agent, rollout.agent_kwargs, mode=rollout.mode)
-    score = agent.obj.run.__func__.__globals__.get("score") if hasattr(agent.obj.run, "__func__") else None
-    rows, calls = load_rows(rollout.dataset), {}
+    score = agent_namespace(agent).get("score")
+    if not callable(score):
+        return None
+    rows, calls, paths = load_rows(rollout.dataset), {}, RunPaths(run_dir)
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     checked, differing = 0, []
     for step in range(steps):
-        table = read_step(RunPaths(run_dir), step, verify=False,
+        table = read_step(paths, step, verify=False,
                           columns=["input_ids", "prompt_len", "reward", "metadata"]).to_pylist()  # fmt: skip
         for row in table:
             index = int(json.loads(row["metadata"])["dataset_index"])
             if index not in calls:
                 calls[index] = _capture_one(agent, rows[index], step, rollout.temperature)
             call = calls[index]
-            if score is None or not call.direct or call.score_args is None:
+            if not call.direct or call.score_args is None:
                 return None
             text = tokenizer.decode(row["input_ids"][row["prompt_len"] :], skip_special_tokens=True)
             result = score(text, *call.score_args, **call.score_kwargs)

@@ -67,10 +67,9 @@ def _split(result: Any) -> tuple[float, dict[str, float]]:
 
 
 def _score_function(spec: dict[str, Any]) -> Any:
-    from pipeline.rollout.agents import resolve_agent
+    from _trl_align import agent_namespace
 
-    agent = resolve_agent(spec["agent"], spec["agent_kwargs"], mode=spec["agent_mode"])
-    return agent.obj.run.__func__.__globals__["score"]
+    return agent_namespace(_agent(spec))["score"]
 
 
 def _agent(spec: dict[str, Any]) -> Any:

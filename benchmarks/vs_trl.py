@@ -80,14 +80,14 @@ class Run:
     load: float = 0.0
     """The machine's 1-minute load average when the run started."""
     prompts_identical: bool | None = None
+    """TRL's runs: whether its prompt token ids equal arl-sync's for the same seed, step by step."""
     timeline: dict[str, float] = field(default_factory=dict)
+    """arl: the step timeline's intervals (docs/operations.md), mean seconds per step, by `<stage> <key>`."""
     cpu_s: float = 0.0
     """CPU seconds of every process of the run (the run's process and all it waited for: arl's launcher,
     stages and inference servers), from the OS's accounting of reaped children."""
     run_dir: Path | None = None
     """arl: the run directory the demo made."""
-    """arl: the step timeline's intervals (docs/operations.md), mean seconds per step, by `<stage> <key>`."""
-    """TRL's runs: whether its prompt token ids equal arl-sync's for the same seed, step by step."""
 
 
 def main() -> int:
