@@ -114,8 +114,12 @@ class Trainer:
         plan = self.plan(data, advantages, step)
         updates = self.update(plan, timings)
         version = step + 1
-        checkpoint = self.maybe_checkpoint(version, timings, force=rerun)
+        # Held before the checkpoint: once it is complete a resume starts past this step, so a trainer stopped
+        # anywhere after it (a peer lost at its barrier, the publication) must have left this row behind.
         values = self.hold_metrics(step, data, advantages, updates, timings)
+        checkpoint = self.maybe_checkpoint(version, timings, force=rerun)
+        values["time_checkpoint_s"] = timings.checkpoint_s
+        self.hold(step, values)
         if self.rank0 and not rerun:  # the engines keep version `step` until its in-run evaluation is recorded
             timings.eval_hold_s = hold_for_evaluation(self.paths, self.config, step)
         self.publish(version, checkpoint, timings)
@@ -240,13 +244,17 @@ class Trainer:
 
     def hold_metrics(self, step: int, data: StepData, advantages: np.ndarray, updates: list[MinibatchStats],
                      timings: Timings) -> dict[str, float]:  # fmt: skip
-        """The step's metrics row, kept in `state/` until its publication ends: a trainer stopped during the
-        publication resumes after this step (its checkpoint is complete) and logs the row then."""
+        """The step's metrics row, kept in `state/` until its publication ends: a trainer stopped after the step's
+        checkpoint is complete resumes after this step and logs the row then."""
         values = step_metrics(data, advantages, updates, timings, num_params=self.backend.num_params,
                               world_size=self.backend.world_size, peak=self.peak, version=step + 1)  # fmt: skip
+        self.hold(step, values)
+        return values
+
+    def hold(self, step: int, values: dict[str, float]) -> None:
+        """Keep (or replace) step `step`'s held row (rank 0)."""
         if self.rank0:
             write_json_atomic(self.paths.pending_metrics, {"step": step, "values": values})
-        return values
 
     def log_held_metrics(self, version: int, timings: Timings) -> None:
         """At start: log the row of step `version - 1` if its publication was cut short (with the publication

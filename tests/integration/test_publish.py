@@ -157,6 +157,35 @@ def test_a_step_whose_publication_failed_is_logged_once_by_the_resumed_trainer(
     assert read_json(paths.weight_version)["version"] == 1
 
 
+def test_a_trainer_lost_right_after_its_checkpoint_leaves_the_step_row_for_the_resume(
+    make_train_run, server: ServerHandle, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer stopped once version 1's checkpoint is complete, before anything else of the step (as rank 0 is
+    when its peer's node dies at the barrier after the checkpoint): the resume starts past step 0, so step 0's
+    row must already be held in state/, and the resumed trainer logs it, once."""
+    from pipeline.trainer.loop import Trainer
+
+    overrides = [*OVERRIDES, "trainer.weight_sync=disk"]
+    paths = make_train_run(steps=[0], overrides=overrides)
+    register(paths, "s0", server.url, tiny_model_dir)
+    checkpoint = Trainer.maybe_checkpoint
+
+    def lost_after_checkpoint(self: Trainer, version: int, *args: Any, **kwargs: Any) -> Any:
+        checkpoint(self, version, *args, **kwargs)
+        raise RuntimeError("the peer was lost at the barrier")
+
+    monkeypatch.setattr(Trainer, "maybe_checkpoint", lost_after_checkpoint)
+    with pytest.raises(RuntimeError, match="lost at the barrier"):
+        run_trainer(StageContext.from_run_dir("train", paths.root))
+    assert paths.checkpoint_marker(1).exists() and not paths.train_metrics.exists()
+    assert read_json(paths.pending_metrics)["step"] == 0
+
+    monkeypatch.setattr(Trainer, "maybe_checkpoint", checkpoint)
+    assert run_trainer(StageContext.from_run_dir("train", paths.root)) == 0
+    rows = [json.loads(line) for line in paths.train_metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0] and not paths.pending_metrics.exists()
+
+
 def test_with_min_servers_the_live_servers_go_on(make_train_run, server: ServerHandle, tiny_model_dir: Path) -> None:
     paths = make_train_run(steps=[0], overrides=[*OVERRIDES, "trainer.weight_sync=disk", "inference.min_servers=1"])
     dead = f"http://127.0.0.1:{free_port()}"
