@@ -23,10 +23,10 @@ def publication_figures(model_dir: Path, workdir: Path, rank: int = 16) -> dict[
     from transformers import AutoModelForCausalLM
 
     from pipeline.engine.registry import write_entry
-    from pipeline.engine.server.hf import start_hf_server
-    from pipeline.paths import RunPaths
+    from pipeline.engine.server.hf.process import start_hf_server
+    from pipeline.run.paths import RunPaths
     from pipeline.trainer import lora
-    from pipeline.trainer.publish import Publisher, PublishOptions
+    from pipeline.trainer.publish.publisher import Publisher, PublishOptions
     from schemas.config import LoraConfig
     from schemas.engine_api import InferenceEntry
 

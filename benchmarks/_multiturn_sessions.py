@@ -100,7 +100,7 @@ async def collect_sessions(model_dir: str | Path, *, sessions: int, turns: int =
                            discount: float = 1.0) -> list[SessionExport]:  # fmt: skip
     """Run `sessions` agent runs through a fresh engine and proxy; each run's rows in both styles."""
     from pipeline.engine.client import EngineClient
-    from pipeline.engine.server.hf import start_hf_server
+    from pipeline.engine.server.hf.process import start_hf_server
     from pipeline.proxy.server import ProxyServer
     from schemas.config.model import ModelConfig
     from schemas.config.proxy import ProxyConfig

@@ -74,8 +74,8 @@ class Stack:
 
 ENGINE_WITH_KEEP_ALIVE = """
 import sys
-from pipeline.engine.server.hf import serve_hf
-from pipeline.engine.server.hf_engine import HFEngineConfig
+from pipeline.engine.server.hf.process import serve_hf
+from pipeline.engine.server.hf.engine import HFEngineConfig
 model, port, keep_alive = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 serve_hf(HFEngineConfig(model_path=model, device="cpu", max_batch_size=64), host="127.0.0.1", port=port,
          timeout_keep_alive=keep_alive)
@@ -92,8 +92,8 @@ def start_engine(model_dir: str | Path, log_path: Path, *, port: int | None = No
     port = port or free_port()
     log = open(log_path, "ab")  # noqa: SIM115 - the child writes to it for its lifetime
     if keep_alive_s is None:
-        argv = [sys.executable, "-m", "pipeline.engine.server.hf", "--model-path", str(model_dir), "--port", str(port),
-                "--device", "cpu", "--max-batch-size", "64"]  # fmt: skip
+        argv = [sys.executable, "-m", "pipeline.engine.server.hf.process", "--model-path", str(model_dir),
+                "--port", str(port), "--device", "cpu", "--max-batch-size", "64"]  # fmt: skip
     else:
         argv = [sys.executable, "-c", ENGINE_WITH_KEEP_ALIVE, str(model_dir), str(port), str(keep_alive_s)]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -139,9 +139,9 @@ def serve_proxy(model_dir: str, engine_url: str, host: str, port: int) -> None:
     from starlette.responses import JSONResponse
 
     from pipeline.engine.client import EngineClient
-    from pipeline.logs import setup_logging
     from pipeline.proxy.auth import caller_of
     from pipeline.proxy.server import ProxyServer
+    from pipeline.run.logs import setup_logging
     from schemas.config.model import ModelConfig
     from schemas.config.proxy import ProxyConfig
 

@@ -3,7 +3,7 @@
 Two things are derived from the arl config rather than written down, so the comparison follows the demo
 as it changes:
 
-* `capture_prompts`: the prompts of every step, in arl's schedule order (`pipeline.rollout.data.Schedule`),
+* `capture_prompts`: the prompts of every step, in arl's schedule order (`pipeline.agents.dataset.Schedule`),
   as the demo agent itself writes them. The agent's own `run` is executed once per prompt with an
   `httpx` transport that answers its one chat-completions request in-process, so the messages,
   `max_tokens` and `temperature` are what the agent sends to arl's proxy. While it runs, the module-level
@@ -25,8 +25,8 @@ from typing import Any
 
 import httpx
 
-from pipeline.rollout.agents import Agent, resolve_agent
-from pipeline.rollout.data import Schedule, load_rows
+from pipeline.agents.dataset import Schedule, load_rows
+from pipeline.agents.loading import Agent, resolve_agent
 from schemas.config import ArlConfig
 
 SENTINEL_REPLY = "vs-trl-capture-reply"
@@ -206,9 +206,9 @@ def rescore_shards(run_dir: Path, steps: int) -> tuple[int, list[str]] | None:
     whose reward differs from the one arl recorded), or None when the agent's reward is not `score`'s."""
     from transformers import AutoTokenizer
 
-    from pipeline.config import config_from_run_dir
-    from pipeline.paths import RunPaths
-    from pipeline.shards import read_step
+    from pipeline.run.config import config_from_run_dir
+    from pipeline.run.paths import RunPaths
+    from pipeline.run.shards import read_step
 
     config = config_from_run_dir(run_dir)
     rollout = config.rollout

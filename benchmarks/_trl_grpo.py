@@ -73,7 +73,7 @@ def _score_function(spec: dict[str, Any]) -> Any:
 
 
 def _agent(spec: dict[str, Any]) -> Any:
-    from pipeline.rollout.agents import resolve_agent
+    from pipeline.agents.loading import resolve_agent
 
     return resolve_agent(spec["agent"], spec["agent_kwargs"], mode=spec["agent_mode"])
 

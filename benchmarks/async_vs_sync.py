@@ -42,9 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.demo import MODEL_NAME, ensure_tiny_model
-from pipeline.metrics import read_jsonl
-from pipeline.paths import RunPaths
+from pipeline.demo.demo_run import MODEL_NAME, ensure_tiny_model
+from pipeline.run.paths import RunPaths
+from pipeline.run.sinks import read_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GOAL_WAIT_OVER_INTERRUPT = 1.15

@@ -3,10 +3,10 @@
 Sessions: `--sessions` runs of an 8-turn tool-using agent (`benchmarks/_multiturn_sessions.py`: the
 calculator agent of `examples/agents/tool_agent.py` with a fixed budget of 8 model calls, plain
 OpenAI SDK) through the real proxy and a real `hf` engine serving the tiny model
-(`pipeline.tiny_model.make_tiny_model`); every session is exported both ways from the same recorded
+(`pipeline.demo.tiny_model.make_tiny_model`); every session is exported both ways from the same recorded
 tokens (`export_style: concat`, one row per run, and `individual`, one row per LLM call).
 
-Trainer: each style's rows are written as a trajectory step (`pipeline.shards.write_step`) and read
+Trainer: each style's rows are written as a trajectory step (`pipeline.run.shards.write_step`) and read
 back as the trainer reads them (`pipeline.trainer.data.load_step`), packed by
 `pipeline.trainer.packing.plan_step` into micro-batches of the config's `trainer.micro_batch_tokens`
 in the backend's layout (`trainer.packing: auto`: right-padded rows on CPU, where sdpa would compute
@@ -71,7 +71,7 @@ def token_figures(sessions: list[SessionExport]) -> dict[str, float]:
 
 def make_backend(model_dir: str | Path, budget: int | None, packing: str = "auto") -> tuple[Any, Any]:
     """The trainer's `TorchBackend` on CPU with the run's defaults (temperature 1: the agent's), loaded."""
-    from pipeline.config import load_config
+    from pipeline.run.config import load_config
     from pipeline.trainer.torch_backend import TorchBackend
 
     overrides = [f"model.path={model_dir}", "trainer.device=cpu", "rollout.temperature=1.0",
@@ -86,8 +86,8 @@ def make_backend(model_dir: str | Path, budget: int | None, packing: str = "auto
 
 def load_as_trainer(rows: list[Any], run_dir: Path, model_dir: str | Path) -> list[Any]:
     """Write `rows` as step 0 of a run and read them back through the trainer's loader (`Sample`s)."""
-    from pipeline.paths import RunPaths
-    from pipeline.shards import write_step
+    from pipeline.run.paths import RunPaths
+    from pipeline.run.shards import write_step
     from pipeline.trainer.data import load_step
 
     paths = RunPaths(run_dir)
@@ -198,7 +198,7 @@ def time_updates(backend: Any, config: Any, plans: dict[str, list[Any]],
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.demo.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="arl-concat-") as tmp:
         work = Path(tmp)

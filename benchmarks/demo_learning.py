@@ -50,7 +50,7 @@ class SeedRun:
 
 def main() -> int:
     args = parse_args()
-    from pipeline.demo import MODEL_NAME, ensure_tiny_model
+    from pipeline.demo.demo_run import MODEL_NAME, ensure_tiny_model
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="arl-demo-learning-")).resolve()
     try:
@@ -74,8 +74,8 @@ def parse_args() -> argparse.Namespace:
 
 def run_seed(workdir: Path, seed: int, steps: int | None, overrides: list[str]) -> SeedRun:
     """One `arl demo --seed N`; its rollout metrics give the per-step figures."""
-    from pipeline.metrics import read_jsonl
-    from pipeline.paths import RunPaths
+    from pipeline.run.paths import RunPaths
+    from pipeline.run.sinks import read_jsonl
 
     demo_dir = workdir / "demo"
     before = set(demo_dir.iterdir()) if demo_dir.exists() else set()

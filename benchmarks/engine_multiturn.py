@@ -7,9 +7,9 @@ sends its next turn as soon as the last one is answered (so at concurrency 16 th
 at concurrency 1 three sessions run one after the other.
 
 For each model and each concurrency S in (1, 16), two `hf` servers in their own processes
-(`python -m pipeline.engine.server.hf`, CPU, fp32), one with `--prefix-cache-mb 0` (no reuse: every
+(`python -m pipeline.engine.server.hf.process`, CPU, fp32), one with `--prefix-cache-mb 0` (no reuse: every
 turn recomputes its whole history) and one with the default budget (256 MB), run the same sessions
-back to back (never at once: they would share the CPU). Models: the tiny model (`pipeline.tiny_model`,
+back to back (never at once: they would share the CPU). Models: the tiny model (`pipeline.demo.tiny_model`,
 2 layers, hidden 128) and a larger random one of the same builder (6 layers, hidden 384), whose
 prefill costs enough to matter. A warm-up session (2 short turns) precedes each measurement.
 
@@ -111,14 +111,14 @@ def bench_model(
     """Runs keyed by (concurrency, prefix_cache_mb); each concurrency's pair measured back to back."""
     from engine_throughput import start_server, stop
 
-    from pipeline.engine.net import free_port
+    from pipeline.net.addresses import free_port
 
     runs: dict[tuple[int, int], Run] = {}
     servers = {}
     try:
         for mb in (0, REUSE_MB):
             port = free_port()
-            argv = [sys.executable, "-m", "pipeline.engine.server.hf", "--model-path", str(model_dir), "--port",
+            argv = [sys.executable, "-m", "pipeline.engine.server.hf.process", "--model-path", str(model_dir), "--port",
                     str(port), "--device", device, "--max-batch-size", "64", "--seed", "0", "--prefix-cache-mb",
                     str(mb)]  # fmt: skip
             log = workdir / f"{name}_{mb}.log"
@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--larger", default="6x384", help="the larger model: LAYERSxHIDDEN")
     args = parser.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the servers (see engine_throughput.py)
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.demo.tiny_model import make_tiny_model
 
     workdir = Path(tempfile.mkdtemp(prefix="arl-multiturn-bench-"))
     concurrencies = [1, args.sessions]

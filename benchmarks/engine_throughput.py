@@ -3,7 +3,7 @@
 Work: R requests with prompts of 8–40 tokens (fixed seed), each generating exactly T tokens
 (`ignore_eos`), temperature 1, logprobs returned. For each concurrency C in (1, 8, 32):
 
-* server: an `hf` server in its own process (`python -m pipeline.engine.server.hf`, CPU, fp32,
+* server: an `hf` server in its own process (`python -m pipeline.engine.server.hf.process`, CPU, fp32,
   max batch 64), driven over HTTP by `EngineClient` with at most C requests in flight;
 * ceiling: `model.generate` in this process on the same prompts in batches of C (left-padded),
   `min_new_tokens = max_new_tokens = T`, sampling, scores kept (the engine computes logprobs too);
@@ -137,14 +137,14 @@ def bench_hf(
 
     Pairing keeps the ratio honest on a shared machine whose background load drifts over minutes.
     """
-    from pipeline.engine.net import free_port
+    from pipeline.net.addresses import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [
         sys.executable,
         "-m",
-        "pipeline.engine.server.hf",
+        "pipeline.engine.server.hf.process",
         "--model-path",
         str(model_dir),
         "--port",
@@ -172,9 +172,9 @@ def bench_vllm(model_dir: Path, prompts: list[list[int]], tokens: int, workdir: 
     if not venv_python.exists():
         print("vLLM: .vllm-venv absent (scripts/vllm_venv.sh builds it); skipped")
         return None
-    from pipeline.config import load_config
-    from pipeline.engine.net import free_port
-    from pipeline.engine.server.procs import vllm_procs
+    from pipeline.engine.inference.procs import vllm_procs
+    from pipeline.net.addresses import free_port
+    from pipeline.run.config import load_config
 
     port = free_port()
     config = load_config(
@@ -212,7 +212,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="arl-engine-bench-"))
     model_dir = args.model
     if model_dir is None:
-        from pipeline.tiny_model import make_tiny_model
+        from pipeline.demo.tiny_model import make_tiny_model
 
         model_dir = make_tiny_model(workdir / "tiny", template="qwen")
     prompts = make_prompts(args.requests, vocab=500)

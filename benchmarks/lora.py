@@ -177,7 +177,7 @@ def export_figures(spec: Spec, backend: Any) -> dict[str, Any]:
 
 def checkpoint_figures(spec: Spec, backend: Any) -> dict[str, Any]:
     """Bytes (and write seconds) of the checkpoints the trainer writes for this configuration, and of its state."""
-    from pipeline.paths import RunPaths
+    from pipeline.run.paths import RunPaths
     from pipeline.trainer import checkpoint, lora
 
     paths = RunPaths(Path(spec.workdir) / f"run-{spec.label.replace(' ', '-')}")
@@ -210,8 +210,8 @@ def checkpoint_figures(spec: Spec, backend: Any) -> dict[str, Any]:
 
 def measure(spec: Spec) -> dict[str, Any]:
     """Every figure of one configuration, in this process: load, train, export, checkpoints."""
-    from pipeline.config import load_config
-    from pipeline.trainer.backends import make_backend
+    from pipeline.run.config import load_config
+    from pipeline.trainer.factory import make_backend
 
     backend: Any = make_backend(load_config(None, spec.overrides()), total_updates=100)
     try:

@@ -40,7 +40,7 @@ def main() -> int:
     if args.reuse:
         full, lora = (read_run(Path(p)) for p in args.reuse)
     else:
-        from pipeline.demo import MODEL_NAME, ensure_tiny_model
+        from pipeline.demo.demo_run import MODEL_NAME, ensure_tiny_model
 
         workdir = Path(args.workdir or tempfile.mkdtemp(prefix="arl-lora-learning-")).resolve()
         ensure_tiny_model(workdir / MODEL_NAME)  # one warm-started model for both runs
@@ -64,8 +64,8 @@ def parse_args() -> argparse.Namespace:
 
 def read_run(run_dir: Path) -> SeedRun:
     """The per-step rates of a finished demo run (its wall time is not known: 0)."""
-    from pipeline.metrics import read_jsonl
-    from pipeline.paths import RunPaths
+    from pipeline.run.paths import RunPaths
+    from pipeline.run.sinks import read_jsonl
 
     rows = sorted(read_jsonl(RunPaths(run_dir).rollout_metrics), key=lambda r: int(r["step"]))
     if not rows or any(EXACT not in r for r in rows):

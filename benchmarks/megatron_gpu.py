@@ -80,7 +80,7 @@ def make_rows(vocab: int, seq: int, rows: int, median: int, seed: int = 0) -> li
 
 
 def make_config(model_dir: Path, root: Path, backend: str, bf16: bool, seq: int) -> Any:
-    from pipeline.config import load_config
+    from pipeline.run.config import load_config
 
     return load_config(None, [f"fileroot={root}", "experiment_name=bench", "trial_name=megatron",
                               f"model.path={model_dir}", "model.dtype=bfloat16", "trainer.device=cuda",
@@ -112,7 +112,7 @@ def loss_fn_for(config: Any) -> Any:
 
 def open_backend(config: Any, model_dir: Path) -> Any:
     if config.trainer.backend == "megatron":
-        from pipeline.trainer.megatron.backend import MegatronBackend
+        from pipeline.trainer.megatron.megatron_backend import MegatronBackend
 
         backend: Any = MegatronBackend(config, total_updates=100)
     else:

@@ -1,6 +1,6 @@
 """Load: many concurrent agent sessions × multi-turn tool use through one proxy and the `hf` engine.
 
-Three kinds of process on this machine: the `hf` engine (`python -m pipeline.engine.server.hf`,
+Three kinds of process on this machine: the `hf` engine (`python -m pipeline.engine.server.hf.process`,
 the tiny model), one proxy (`benchmarks/_proxy_stack.py`: `ProxyServer` as the stages run it)
 and this load generator, whose agents use the real OpenAI SDK. Each session runs `--turns` calls
 with a calculator tool; after a call the agent appends the assistant message and a tool result
@@ -18,7 +18,7 @@ the right length, and each exact turn's prompt starting with the previous turn's
 Between rounds the proxy's RSS (psutil, after a `gc.collect()` in the proxy), its live Python
 objects and its session table are read: a leak grows them round after round.
 
-Prints per-round figures and a final `RESULT {...}` line (see `pipeline/bench.py`). p99 latency is
+Prints per-round figures and a final `RESULT {...}` line (see `pipeline/analysis/bench.py`). p99 latency is
 reported, not asserted; `tests/integration/test_load.py` asserts the correctness figures.
 
     python benchmarks/proxy_load.py [--sessions 256] [--turns 4] [--rounds 2] [--max-tokens 4]
@@ -274,7 +274,7 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     from transformers import AutoTokenizer
 
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.demo.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or str(make_tiny_model(Path(tmp) / "tiny", template="qwen"))

@@ -150,7 +150,7 @@ def main() -> None:
     import uvloop
     from transformers import AutoTokenizer
 
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.demo.tiny_model import make_tiny_model
 
     tmp = tempfile.TemporaryDirectory()
     model_dir = args.model_dir or str(make_tiny_model(Path(tmp.name) / "tiny", template="qwen"))

@@ -44,9 +44,9 @@ def serve(model_dir: str, engine_url: str, workers: int, out: str) -> None:
     import httpx
 
     from pipeline.engine.client import EngineClient
-    from pipeline.logs import run_async
     from pipeline.proxy.pool import open_pool
     from pipeline.proxy.server import ProxyServer
+    from pipeline.run.logs import run_async
     from schemas.config.model import ModelConfig
     from schemas.config.proxy import ProxyConfig
 
@@ -168,7 +168,7 @@ def main() -> None:
     from proxy_overhead import _free_port, _wait_http
     from transformers import AutoTokenizer
 
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.demo.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(make_tiny_model(Path(tmp) / "tiny", template="qwen"))

@@ -1,11 +1,11 @@
 """`arl query` (DuckDB over the shards in place) against pandas reading the same Parquet files, same run.
 
 Data: the step of `benchmarks/shard_io.py` (20,000 samples of ~1,000 tokens, 20M tokens, written by
-`pipeline.shards.write_step` into a run dir in a temp dir on the local disk).
+`pipeline.run.shards.write_step` into a run dir in a temp dir on the local disk).
 
 Measured (wall clock, best of `--repeat`, all in this process after the data is written):
 * scan aggregate: per finish reason, samples, mean reward, tokens and sampled tokens: `SQL_SCAN` over
-  `samples`. arl: `pipeline.query.connect` (every part's sha256 checked, the views made) + the query, what
+  `samples`. arl: `pipeline.analysis.query.connect` (every part's sha256 checked, the views made) + the query, what
   `arl query` does after its imports; also with `--no-verify`, and once as the CLI in a subprocess
   (interpreter start and imports included). pandas: `read_parquet` of the same part files (only the four
   columns the query needs), `len` and `sum` per row, `groupby`.
@@ -52,7 +52,7 @@ def best(repeat: int, fn: Any, *args: Any, **kwargs: Any) -> tuple[float, Any]:
 
 
 def arl(run: Path, sql: str, *, verify: bool = True) -> list[tuple[Any, ...]]:
-    from pipeline.query import connect
+    from pipeline.analysis.query import connect
 
     catalog = connect([run], verify=verify)
     try:
@@ -114,8 +114,8 @@ def same(a: list[tuple[Any, ...]], b: list[tuple[Any, ...]]) -> bool:
 
 
 def run(samples: int, repeat: int, workdir: Path) -> dict[str, Any]:
-    from pipeline.paths import RunPaths
-    from pipeline.shards import step_part_files, write_step
+    from pipeline.run.paths import RunPaths
+    from pipeline.run.shards import step_part_files, write_step
     from schemas.trajectory import rows_from_dicts
 
     paths = RunPaths(workdir / "run")

@@ -6,7 +6,7 @@ log-probabilities float32 from a mix of confident (~-0.01) and uncertain (~-2) t
 versions per step. Rows are Python lists, as a producer holds them.
 
 Measured (wall clock, this process, files in a temp dir on the local disk):
-* Parquet write: `pipeline.shards.write_step` (validate, convert, zstd, sha256, fsync, publish).
+* Parquet write: `pipeline.run.shards.write_step` (validate, convert, zstd, sha256, fsync, publish).
 * Parquet read: `read_step` all columns (checksums verified) and `input_ids` + `loss_mask` only,
   into Arrow (what the trainer consumes: zero-copy to numpy/torch).
 * JSONL write/read: one `json.dumps` object per sample per line / `json.loads` per line.
@@ -97,8 +97,8 @@ def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[float, Any]:
 
 
 def run(samples: int, workdir: Path) -> dict[str, Any]:
-    from pipeline.paths import RunPaths
-    from pipeline.shards import read_step, write_step
+    from pipeline.run.paths import RunPaths
+    from pipeline.run.shards import read_step, write_step
     from schemas.trajectory import rows_from_dicts
 
     rows = make_rows(samples)

@@ -1,6 +1,6 @@
 """What `top_logprobs_num` costs the `hf` engine, and that not asking costs nothing.
 
-1. Sampling step alone (`pipeline.engine.server.sampling.sample_batch`): B = 32 rows of logits over a
+1. Sampling step alone (`pipeline.engine.server.hf.sampling.sample_batch`): B = 32 rows of logits over a
    Qwen-sized vocabulary (151,936), temperature 1, for k = 0 (no row asks), 5 and 20 (every row asks).
 2. End to end: an in-process `hf` server on the tiny model (CPU, fp32), R requests of T tokens
    (`ignore_eos`, temperature 1) all in flight at once through `EngineClient`, non-streamed, streamed
@@ -35,7 +35,7 @@ def sampling_step_ms(k: int, rows: int = 32, vocab: int = 151_936, repeats: int 
     """Median milliseconds of one `sample_batch` call over [rows, vocab] logits."""
     import torch
 
-    from pipeline.engine.server.sampling import RowSampling, sample_batch
+    from pipeline.engine.server.hf.sampling import RowSampling, sample_batch
 
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
     batch = [RowSampling(temperature=1.0, top_logprobs_num=k) for _ in range(rows)]
@@ -72,8 +72,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    from pipeline.engine.server.hf import start_hf_server
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.demo.tiny_model import make_tiny_model
+    from pipeline.engine.server.hf.process import start_hf_server
 
     step = {k: sampling_step_ms(k) for k in KS}
     print("sample_batch, 32 rows x 151,936 vocabulary (median ms per step)")

@@ -113,7 +113,7 @@ def _sync(device: Any) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from pipeline.config import load_config
+    from pipeline.run.config import load_config
     from pipeline.trainer.advantages import compute_advantages
     from pipeline.trainer.losses import policy_loss
     from pipeline.trainer.metrics import peak_flops

@@ -93,7 +93,7 @@ class Run:
 def main() -> int:
     args = parse_args()
     require_trl()
-    from pipeline.demo import DEMO_CONFIG, MODEL_NAME, ensure_tiny_model
+    from pipeline.demo.demo_run import DEMO_CONFIG, MODEL_NAME, ensure_tiny_model
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="arl-vs-trl-")).resolve()
     model_dir = ensure_tiny_model(workdir / MODEL_NAME)  # the directory every run loads (arl demo makes it there)
@@ -140,7 +140,7 @@ def seed_overrides(seed: int) -> list[str]:
     """The same prompt order for the three runs of a seed; arl's trainer and sampling seeds. And a constant
     learning rate after the warm-up, for all three: the demo's cosine spans its 150 steps, and squeezed into
     fewer it would decay while the copy is being learned."""
-    from pipeline import demo
+    from pipeline.demo import demo_run as demo
 
     return [*demo.seed_overrides(seed), "trainer.optimizer.schedule=constant"]
 
@@ -157,8 +157,8 @@ def _yaml(path: Path) -> dict[str, Any]:
 def run_trl(workdir: Path, model_dir: Path, steps: int, seed: int, overrides: list[str]) -> Run:
     from _trl_align import capture_prompts, grpo_config_kwargs, max_completion_tokens, spec_json
 
-    from pipeline.config import load_config
-    from pipeline.demo import DEMO_CONFIG, demo_file_overrides
+    from pipeline.demo.demo_run import DEMO_CONFIG, demo_file_overrides
+    from pipeline.run.config import load_config
 
     config = load_config(DEMO_CONFIG, [*demo_file_overrides(), f"num_steps={steps}", f"model.path={model_dir}",
                                        *overrides])  # fmt: skip
@@ -198,9 +198,9 @@ def run_trl(workdir: Path, model_dir: Path, steps: int, seed: int, overrides: li
 
 def run_arl(label: str, workdir: Path, steps: int, seed: int, staleness: int, overrides: list[str]) -> Run:
     """`arl demo` as a person runs it (all its processes); its metrics files give the per-step figures."""
-    from pipeline.config import config_from_run_dir
-    from pipeline.metrics import read_jsonl
-    from pipeline.paths import RunPaths
+    from pipeline.run.config import config_from_run_dir
+    from pipeline.run.paths import RunPaths
+    from pipeline.run.sinks import read_jsonl
 
     demo_dir = workdir / "demo"
     before = set(demo_dir.iterdir()) if demo_dir.exists() else set()
@@ -212,7 +212,7 @@ def run_arl(label: str, workdir: Path, steps: int, seed: int, staleness: int, ov
     process_s = time.time() - started
     (run_dir,) = [p for p in set(demo_dir.iterdir()) - before if p.is_dir()]
     used = Path(config_from_run_dir(run_dir).model.path).resolve()
-    from pipeline.demo import MODEL_NAME
+    from pipeline.demo.demo_run import MODEL_NAME
 
     if used != (workdir / MODEL_NAME).resolve():
         raise RuntimeError(f"{run_dir} trained {used}, not the model TRL trains ({workdir / MODEL_NAME})")
@@ -272,7 +272,7 @@ def _arl_info(rollout: list[dict[str, Any]]) -> dict[str, list[float]]:
 
 
 def _arl_prompts(paths: Any, steps: int) -> list[list[tuple[int, ...]]]:
-    from pipeline.shards import read_step
+    from pipeline.run.shards import read_step
 
     out = []
     for step in range(steps):

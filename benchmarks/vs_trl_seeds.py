@@ -67,7 +67,7 @@ def main() -> int:
     if args.report:
         return finish(*load(Path(args.report)), args)
     require_trl()
-    from pipeline.demo import MODEL_NAME, ensure_tiny_model
+    from pipeline.demo.demo_run import MODEL_NAME, ensure_tiny_model
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="arl-vs-trl-seeds-")).resolve()
     model_dir = ensure_tiny_model(workdir / MODEL_NAME)

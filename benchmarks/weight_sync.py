@@ -8,11 +8,11 @@ All figures come from one run on one machine, so the ratios compare like with li
   alternating: into one preallocated tensor (the transport alone: the ceiling) and with
   `receive_from_trainer` (a fresh tensor per receive, as the server does). Each broadcast ends with
   a one-byte broadcast back from the receiver, so the clock stops when the bytes have arrived.
-* publication, for the tiny model (`pipeline.tiny_model`) and a ~0.5B-parameter model of the same
+* publication, for the tiny model (`pipeline.demo.tiny_model`) and a ~0.5B-parameter model of the same
   architecture and builder (Qwen2, random init, hidden 1024, 30 layers, vocab 32k, tied
-  embeddings; fp32, ~2 GB): one `hf` server (`python -m pipeline.engine.server.hf`, CPU, fp32) on
+  embeddings; fp32, ~2 GB): one `hf` server (`python -m pipeline.engine.server.hf.process`, CPU, fp32) on
   loopback, found through the run directory's registry, updated by arl's publisher
-  (`pipeline.trainer.publish.make_publisher`, verification on as with `trainer.verify`) with
+  (`pipeline.trainer.publish.publisher.make_publisher`, verification on as with `trainer.verify`) with
   `nccl` (the gloo broadcast on CPU) and then `disk` (the server reloads a checkpoint written by
   `save_checkpoint`, whose time is reported apart). The first two broadcast publications are not
   timed with the others: they build the group and touch fresh memory on both sides (several times
@@ -113,8 +113,8 @@ def gloo_bandwidth(tensor_mib: int, repeats: int) -> dict[str, list[float]]:
     import torch
     import torch.distributed as dist
 
-    from pipeline.engine.net import free_port
     from pipeline.engine.weight_group import broadcast_from_trainer, destroy_weight_group, init_weight_group
+    from pipeline.net.addresses import free_port
 
     port = free_port("127.0.0.1")
     argv = [sys.executable, __file__, "--receive", str(port), str(tensor_mib), str(repeats + 1)]
@@ -164,7 +164,7 @@ def receive(port: int, tensor_mib: int, rounds: int) -> None:
 
 # -- models and the server ---------------------------------------------------------------------------
 def build_models(workdir: Path, sizes: Sizes) -> dict[str, Path]:
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.demo.tiny_model import make_tiny_model
 
     tiny = make_tiny_model(workdir / "tiny")
     large = make_tiny_model(workdir / "large", num_layers=sizes.layers, hidden_size=sizes.hidden,
@@ -175,7 +175,7 @@ def build_models(workdir: Path, sizes: Sizes) -> dict[str, Path]:
 def start_server(model_dir: Path, port: int, log: Path, timeout_s: float = 600.0) -> subprocess.Popen[bytes]:
     import httpx
 
-    argv = [sys.executable, "-m", "pipeline.engine.server.hf", "--model-path", str(model_dir), "--host",
+    argv = [sys.executable, "-m", "pipeline.engine.server.hf.process", "--model-path", str(model_dir), "--host",
             "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32", "--max-batch-size", "8",
             "--weight-version", "0"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_WAIT_POLICY": "PASSIVE"}
@@ -214,12 +214,12 @@ def timed_publish(publisher: Any, version: int, checkpoint: Path | None, state_d
 def publish_model(name: str, model_dir: Path, workdir: Path, repeats: int) -> Publication:
     import torch
 
-    from pipeline.engine.net import free_port
     from pipeline.engine.registry import write_entry
     from pipeline.engine.server.weights import read_checkpoint
-    from pipeline.paths import RunPaths
+    from pipeline.net.addresses import free_port
+    from pipeline.run.paths import RunPaths
     from pipeline.trainer.checkpoint import save_checkpoint
-    from pipeline.trainer.publish import PublishOptions, make_publisher
+    from pipeline.trainer.publish.publisher import PublishOptions, make_publisher
     from schemas.engine_api import InferenceEntry
 
     tied = bool(json.loads((model_dir / "config.json").read_text()).get("tie_word_embeddings", False))

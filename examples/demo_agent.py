@@ -17,7 +17,7 @@ The dataset (examples/data/demo.jsonl) holds every number 10..99 exactly twice, 
 are 1/9 and 1/10 and the ceiling is 0.2 + 0.4/9 + 0.4/10 = 0.284 (tests/unit/test_demo_task.py
 computes it from the file). Everything above 0.284 comes from reading the number in the prompt.
 
-The tiny model `arl demo` trains was warm-started only on the answer format (pipeline/warm_start.py,
+The tiny model `arl demo` trains was warm-started only on the answer format (pipeline/demo/warm_start.py,
 examples/data/demo_format.jsonl: prompts that name no number, random two-digit replies), so
 before RL it answers a random two-digit number (exact-correct ~1/90); copying is learned by RL.
 """

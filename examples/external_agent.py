@@ -60,9 +60,9 @@ async def wait_for_proxy(run_dir: Path, timeout_s: float) -> None:
 
 def run_is_done(run_dir: Path) -> bool:
     """True once the trainer published the run's last weight version (`num_steps` of its frozen config)."""
-    from pipeline.config import load_config
-    from pipeline.paths import RunPaths
-    from pipeline.weight_version import published_version
+    from pipeline.run.config import load_config
+    from pipeline.run.paths import RunPaths
+    from pipeline.run.weight_version import published_version
 
     paths = RunPaths(run_dir)
     return published_version(paths) >= load_config(paths.config, []).num_steps

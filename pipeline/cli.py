@@ -90,7 +90,7 @@ def check(
     executor: Executor = typer.Option(Executor.slurm, help="Check for a Slurm launch, or for local processes."),
 ) -> int:
     """Check a config before launching: model, chat template, agent, dataset, engine, Slurm resources, fileroot."""
-    from pipeline.check import check_command
+    from pipeline.launch.check import check_command
 
     return check_command(config, overrides or [], executor=executor.value)
 
@@ -105,8 +105,8 @@ def stage(
     """Run one stage in this process (what each Slurm job runs)."""
     import importlib
 
-    from pipeline.launch.jobs import record_this_slurm_job
-    from pipeline.paths import RunPaths
+    from pipeline.run.jobs import record_this_slurm_job
+    from pipeline.run.paths import RunPaths
 
     record_this_slurm_job(RunPaths(run_dir), name.value)
     module = importlib.import_module(f"stages.{name.value}")
@@ -144,7 +144,7 @@ def inspect(
     mismatch: Path | None = typer.Option(None, "--mismatch", help="html: colour tokens by an arl replay Parquet."),
 ) -> int:
     """Offline view of trajectory shards: samples, decoded turns, masks, reward and length statistics."""
-    from pipeline.inspect import inspect_path
+    from pipeline.analysis.inspect import inspect_path
 
     return inspect_path(path, step=step, decode=decode, fmt=fmt.value, output=output, limit=limit, task=task,
                         mismatch=mismatch)  # fmt: skip
@@ -169,7 +169,7 @@ def query(
     no_verify: bool = typer.Option(False, "--no-verify", help="Trust the manifests without hashing the parts."),
 ) -> int:
     """SQL over runs (DuckDB): views samples, tokens and steps over every complete step; docs/inspect.md."""
-    from pipeline.query import query_command
+    from pipeline.analysis.query import query_command
 
     return query_command(args, sql_file=sql_file, fmt=fmt.value, output=output, limit=limit, schema=schema,
                          verify=not no_verify)  # fmt: skip
@@ -188,8 +188,8 @@ def diff(
     consecutive: int = typer.Option(10, "--consecutive", help="Windows in a row beyond it before a curve diverged."),
 ) -> int:
     """Two runs side by side: config differences, per-step curves, the first step they diverge beyond noise."""
-    from pipeline.diff import diff_runs
-    from pipeline.divergence import NoiseRule
+    from pipeline.analysis.diff import diff_runs
+    from pipeline.analysis.divergence import NoiseRule
 
     rule = NoiseRule(window=window, sigmas=sigmas, consecutive=consecutive)
     return diff_runs(run_a, run_b, fmt=fmt.value, plot=plot, no_plot=no_plot, rule=rule)
@@ -240,7 +240,7 @@ def replay(
     worst: int = typer.Option(10, "--worst", help="How many of the largest-|delta| tokens to show."),
 ) -> int:
     """Score a step's sampled tokens again with the trainer's forward path: the mismatch with the engine's log-probs."""
-    from pipeline.replay import replay_command
+    from pipeline.analysis.replay import replay_command
 
     return replay_command(run_dir, step, checkpoint=checkpoint, device=device, output=output, fmt=fmt.value,
                           worst=worst)  # fmt: skip
@@ -256,7 +256,7 @@ def demo(
     seed: int = typer.Option(0, "--seed", help="Seed of the dataset order, the trainer and the server's sampling."),
 ) -> int:
     """A complete local run on a tiny model (CPU): inference, rollout with an OpenAI-SDK agent, training."""
-    from pipeline.demo import run_demo
+    from pipeline.demo.demo_run import run_demo
 
     return run_demo(steps=steps, out=out, max_staleness=max_staleness, overrides=overrides or [], seed=seed)
 
@@ -272,7 +272,7 @@ def doctor(
     workdir: Path | None = typer.Option(None, "--workdir", help="Where the run dir goes (default: a temp dir)."),
 ) -> int:
     """A tiny real run (server, rollout, trainer, publication), then a pass/fail table of checks."""
-    from pipeline.doctor import DoctorOptions, run_doctor
+    from pipeline.demo.doctor import DoctorOptions, run_doctor
 
     return run_doctor(DoctorOptions(gpu=gpu, backend=backend, model=model, steps=steps, workdir=workdir,
                                     overrides=overrides or []))  # fmt: skip
@@ -296,7 +296,7 @@ def make_tiny_model_cmd(
     warm_start_steps: int = typer.Option(120, "--warm-start-steps", help="Supervised steps of --warm-start."),
 ) -> None:
     """Make an offline, seeded, tiny Qwen2-architecture model + tokenizer (for tests and the demo)."""
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.demo.tiny_model import make_tiny_model
 
     if template != "qwen" and template != "llama3":
         raise ArlError(f"--template must be qwen or llama3, got {template!r}")
@@ -305,7 +305,7 @@ def make_tiny_model_cmd(
                            overwrite=overwrite)  # fmt: skip
     typer.echo(f"tiny model written to {path}")
     if warm_start is not None:
-        from pipeline.warm_start import warm_start as run_warm_start
+        from pipeline.demo.warm_start import warm_start as run_warm_start
 
         done = run_warm_start(path, warm_start, steps=warm_start_steps, seed=seed)
         typer.echo(f"warm start: {done.steps} supervised steps on {done.corpus} ({done.rows} rows), "
@@ -319,7 +319,7 @@ def config(
     overrides: list[str] = typer.Argument(None, help="key.sub=value overrides."),
 ) -> None:
     """Print the resolved config (validates it: unknown keys and bad values are errors)."""
-    from pipeline.config import dump_config, load_config
+    from pipeline.run.config import dump_config, load_config
 
     typer.echo(dump_config(load_config(config_path, overrides or [])))
 
@@ -328,13 +328,13 @@ def config(
 @_friendly
 def bench(only: list[str] = typer.Option(None, "--only", help="Run only these benchmarks (file stems).")) -> int:
     """Run every benchmark under benchmarks/ and write benchmarks/RESULTS.md."""
-    from pipeline.bench import run_benchmarks
+    from pipeline.analysis.bench import run_benchmarks
 
     return run_benchmarks(only or [])
 
 
 def main() -> None:  # pragma: no cover - console entry (`arl`, and `python -m pipeline.cli` in every stage)
-    from pipeline.logs import freeze_for_exit
+    from pipeline.run.logs import freeze_for_exit
 
     try:
         app(prog_name="arl")

@@ -12,7 +12,7 @@ the entry never holds a key). Starting a session waits (with a deadline) while t
 run failed (the proxy stage then trains on none of its samples) and propagates.
 
 Only `httpx` is needed here (no torch, no transformers), so this module installs anywhere: it uses the
-proxy's HTTP control (`pipeline.proxy.control`) and the agent return-value contract (`pipeline.outcome`),
+proxy's HTTP control (`pipeline.proxy.control`) and the agent return-value contract (`pipeline.agents.outcome`),
 nothing of the rollout. Endpoints: docs/proxy.md; the stage that serves outside agents: docs/rollout.md.
 """
 
@@ -34,8 +34,8 @@ from typing import Any
 
 import httpx
 
+from pipeline.agents.outcome import interpret_result
 from pipeline.errors import ArlError
-from pipeline.outcome import interpret_result
 from pipeline.proxy.control import HttpControl, NoCapacity, SessionClient, SessionInfo, root_url
 
 log = logging.getLogger("arl.client")

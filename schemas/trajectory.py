@@ -39,7 +39,7 @@ Note the `\\n` after the first `<|im_end|>`: the model stopped at `<|im_end|>`, 
 template puts after it belongs to the *next* turn's (unsampled) suffix, never silently dropped.
 
 In Python a row is a `TrajectoryRow` from the moment a session is exported
-(`pipeline.trajectory.SessionTree.export`) to the shard writer (`pipeline.shards.write_step`), the one
+(`pipeline.proxy.trajectory.SessionTree.export`) to the shard writer (`pipeline.run.shards.write_step`), the one
 place it becomes Arrow. Its wire form (`to_wire`: every column but `step`, `created_at` in epoch ms)
 is what the proxy's `/export_trajectories` answers and what the standalone proxy's spool stores.
 """

@@ -4,7 +4,7 @@ Written by the trainer (rank 0) after each publication, atomically, and only onc
 server answered the update; read by the rollout (its staleness gate), the trainer on resume (to
 skip re-publishing), `arl launch --resume` and `arl status`. No file means version 0: the initial
 model, which the servers load at start. Read and write it only through
-`pipeline.weight_version` (`read_weight_version`, `write_weight_version`).
+`pipeline.run.weight_version` (`read_weight_version`, `write_weight_version`).
 
 Example:
 

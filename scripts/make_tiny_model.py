@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing non-empty directory")
     args = parser.parse_args(argv)
 
-    from pipeline.tiny_model import make_tiny_model  # heavy imports after --help
+    from pipeline.demo.tiny_model import make_tiny_model  # heavy imports after --help
 
     out = make_tiny_model(
         args.out_dir,

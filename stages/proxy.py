@@ -15,8 +15,8 @@ from pathlib import Path
 def main(run_dir: Path, step: int | None = None) -> int:
     """Serve until `num_steps` steps are published; returns the exit code."""
     from pipeline.errors import ConfigError
-    from pipeline.logs import run_async
-    from pipeline.stage import open_stage
+    from pipeline.run.logs import run_async
+    from pipeline.run.stage import open_stage
 
     ctx = open_stage("proxy", run_dir, step)
     if not ctx.config.proxy.client_keys:

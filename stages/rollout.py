@@ -13,8 +13,8 @@ from pathlib import Path
 def main(run_dir: Path, step: int | None = None) -> int:
     """Produce trajectories; returns the exit code (errors propagate to the CLI, which prints them)."""
     from pipeline.errors import ConfigError
-    from pipeline.logs import run_async
-    from pipeline.stage import open_stage
+    from pipeline.run.logs import run_async
+    from pipeline.run.stage import open_stage
 
     ctx = open_stage("rollout", run_dir, step)
     if ctx.config.rollout.source == "external":

@@ -12,7 +12,7 @@ from pathlib import Path
 
 def main(run_dir: Path, step: int | None = None) -> int:
     """Train; returns the exit code (errors propagate to the CLI, which prints them)."""
-    from pipeline.stage import open_stage
+    from pipeline.run.stage import open_stage
 
     ctx = open_stage("train", run_dir, step)
 

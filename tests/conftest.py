@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-init Qwen2 checkpoint with the Qwen2.5 chat template, built once per session."""
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.demo.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen"), template="qwen")
 
@@ -18,7 +18,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same tiny model with the Llama 3.1 chat template and special tokens, built once per session."""
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.demo.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny_llama3"), template="llama3")
 
@@ -31,10 +31,10 @@ def make_train_run(tmp_path: Path, tiny_model_dir: Path):  # type: ignore[no-unt
     synthetic rows (rewarded and unrewarded completions per group) with real behaviour log-probs of
     the tiny model. Returns the run's `RunPaths`.
     """
-    from pipeline.config import dump_config, load_config
-    from pipeline.handoff import write_text_atomic
-    from pipeline.paths import RunPaths
-    from pipeline.shards import write_step
+    from pipeline.run.config import dump_config, load_config
+    from pipeline.run.handoff import write_text_atomic
+    from pipeline.run.paths import RunPaths
+    from pipeline.run.shards import write_step
     from pipeline.trainer.synthetic import add_behaviour_logprobs, synthetic_rows
     from schemas.trajectory import rows_from_dicts
 
@@ -109,7 +109,7 @@ def scripted_llama_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFa
 @pytest.fixture(scope="session")
 def hf_engine_url():  # type: ignore[no-untyped-def]
     """Factory: the URL of a real `hf` engine server for a model dir, started once per session and model."""
-    from pipeline.engine.server.hf import start_hf_server
+    from pipeline.engine.server.hf.process import start_hf_server
 
     handles: dict[str, object] = {}
 

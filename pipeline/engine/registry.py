@@ -17,8 +17,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from pipeline.handoff import write_json_atomic
-from pipeline.paths import TMP_SUFFIX, RunPaths
+from pipeline.run.handoff import write_json_atomic
+from pipeline.run.paths import TMP_SUFFIX, RunPaths
 from schemas.engine_api import InferenceEntry
 
 log = logging.getLogger("arl.engine.registry")

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from pipeline.engine.net import interface_of, route_source
+from pipeline.net.addresses import interface_of, route_source
 
 
 def init_weight_group(

@@ -15,7 +15,7 @@ import logging
 import time
 
 from pipeline.eval.results import is_recorded
-from pipeline.paths import RunPaths
+from pipeline.run.paths import RunPaths
 from schemas.config import ArlConfig
 
 log = logging.getLogger("arl.eval")

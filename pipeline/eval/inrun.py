@@ -25,9 +25,9 @@ from pipeline.errors import WaitTimeout
 from pipeline.eval.hold import evaluated
 from pipeline.eval.results import is_recorded, open_sinks, record, restore_lines, sink_figures
 from pipeline.eval.runner import SetResult, Where, evaluate_set
-from pipeline.metrics import MetricsSink
-from pipeline.paths import RunPaths
-from pipeline.weight_version import published_version
+from pipeline.run.paths import RunPaths
+from pipeline.run.sinks import MetricsSink
+from pipeline.run.weight_version import published_version
 from schemas.config import ArlConfig
 
 log = logging.getLogger("arl.eval")

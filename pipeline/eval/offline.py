@@ -25,14 +25,14 @@ import httpx
 from pipeline.errors import ArlError
 from pipeline.eval.results import EVAL_STAGE, metrics_line, open_sinks, record, sink_figures
 from pipeline.eval.runner import SetResult, Where, evaluate_set
-from pipeline.paths import RunPaths, is_adapter_dir, parse_step_name
+from pipeline.run.paths import RunPaths, is_adapter_dir, parse_step_name
 from schemas.config import ArlConfig, EvalSetConfig
 
 
 def eval_command(run_dir: Path, *, step: int | None, checkpoint: Path | None, set_name: str | None,
                  fmt: str) -> int:  # fmt: skip
     """Check the arguments (one-line errors, before anything starts), evaluate, write, print."""
-    from pipeline.config import config_from_run_dir
+    from pipeline.run.config import config_from_run_dir
 
     if step is not None and checkpoint is not None:
         raise ArlError("give --step or --checkpoint, not both")
@@ -40,7 +40,7 @@ def eval_command(run_dir: Path, *, step: int | None, checkpoint: Path | None, se
     config = config_from_run_dir(paths.root)
     sets = pick_sets(config, set_name)
     model_path, version = pick_weights(paths, config, step, checkpoint)
-    from pipeline.logs import run_async
+    from pipeline.run.logs import run_async
 
     results = run_async(evaluate_checkpoint(paths, config, sets, model_path, version))
     sinks = open_sinks(paths, config)
@@ -95,11 +95,11 @@ async def evaluate_checkpoint(paths: RunPaths, config: ArlConfig, sets: list[Eva
                               version: int) -> list[SetResult]:  # fmt: skip
     """Start an engine on the weights and a proxy before it, evaluate every set in turn, stop both."""
     from pipeline.engine.client import EngineClient
-    from pipeline.engine.net import free_port
-    from pipeline.engine.server.launch import start_server, wait_healthy
-    from pipeline.engine.server.supervise import load_adapter, terminate
+    from pipeline.engine.inference.servers import start_server, wait_healthy
+    from pipeline.engine.inference.supervise import load_adapter, terminate
+    from pipeline.net.addresses import free_port
     from pipeline.proxy.server import ProxyServer
-    from pipeline.rollout.services import agent_http_client
+    from pipeline.proxy.services import agent_http_client
 
     attempt = len(list(paths.stage_logs(EVAL_STAGE).glob("server-0.attempt_*.log"))) + 1
     server = start_server(paths, config, 0, free_port(), model_path, version, attempt, stage=EVAL_STAGE)
@@ -126,7 +126,7 @@ async def evaluate_checkpoint(paths: RunPaths, config: ArlConfig, sets: list[Eva
 
 
 def print_results(results: list[SetResult], fmt: str, model_path: str) -> None:
-    from pipeline.console import people_console
+    from pipeline.run.console import people_console
 
     if fmt == "json":
         lines = [{"step": r.version, **metrics_line(r.version, r.name, {**r.figures, "weights": model_path})}

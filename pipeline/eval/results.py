@@ -11,12 +11,12 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
-from pipeline.paths import MANIFEST, RunPaths
+from pipeline.run.paths import MANIFEST, RunPaths
 from schemas.manifest import Manifest
 
 if TYPE_CHECKING:
     from pipeline.eval.runner import SetResult
-    from pipeline.metrics import MetricsSink
+    from pipeline.run.sinks import MetricsSink
     from schemas.config import ArlConfig
 
 log = logging.getLogger("arl.eval")
@@ -26,9 +26,9 @@ EVAL_STAGE = "eval"
 
 def record(paths: RunPaths, config: ArlConfig, result: SetResult, weights: str) -> None:
     """The set's shards (replacing an earlier evaluation of the same version and set), then its metrics line."""
-    from pipeline.metrics import JsonlSink
-    from pipeline.rollout.sessions import sort_key
-    from pipeline.shards import write_step
+    from pipeline.agents.episode import sort_key
+    from pipeline.run.shards import write_step
+    from pipeline.run.sinks import JsonlSink
 
     tokenizer = config.model.tokenizer or config.model.path
     rows = sorted(result.rows, key=sort_key)
@@ -55,7 +55,7 @@ def is_recorded(paths: RunPaths, version: int, name: str) -> bool:
 
 def restore_lines(paths: RunPaths, config: ArlConfig, versions: list[int]) -> int:
     """Append the missing `eval.jsonl` line of every (version, set) whose shards are complete; how many."""
-    from pipeline.metrics import JsonlSink
+    from pipeline.run.sinks import JsonlSink
 
     have = {(int(r["version"]), str(r["set"])) for r in latest_evaluations(paths)}
     restored = 0
@@ -74,7 +74,7 @@ def open_sinks(paths: RunPaths, config: ArlConfig) -> MetricsSink:
     """TensorBoard (`metrics/tb/eval`, series `eval/<set>/<figure>` by weight version) and the run's W&B `eval`
     run when `metrics.wandb` is set. W&B keeps one step order per run: an evaluation of a version below one it
     already holds is dropped there (the JSONL line and TensorBoard keep it)."""
-    from pipeline.metrics import MultiSink, TensorBoardSink, open_wandb
+    from pipeline.run.sinks import MultiSink, TensorBoardSink, open_wandb
 
     wandb = open_wandb(config, paths, EVAL_STAGE, prefix="eval")
     try:

@@ -1,6 +1,6 @@
 """Run one evaluation set through the proxy: every prompt `num_samples` times, each run its own session.
 
-A run goes the way a rollout run does (`pipeline.rollout.sessions.drive_session`: admitted, the agent, rewards,
+A run goes the way a rollout run does (`pipeline.agents.episode.drive_session`: admitted, the agent, rewards,
 end, export), with two differences: the session imposes the set's sampling on every call (`SamplingOverride`: greedy by
 default for one sample, whatever temperature the agent sends), and nothing it produces is a training
 sample: the exported rows are written as the evaluation's own shards, never under `trajectories/`.
@@ -18,13 +18,13 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.eval.metrics import RunResult, summarize
-from pipeline.outcome import Outcome
+from pipeline.agents.dataset import load_rows
+from pipeline.agents.episode import SessionPlan, drive_session, make_executor, with_agent_metrics
+from pipeline.agents.loading import resolve_agent
+from pipeline.agents.outcome import Outcome
+from pipeline.agents.runner import Executor
+from pipeline.eval.scores import RunResult, summarize
 from pipeline.proxy.control import ExportedSession, ProxyControl
-from pipeline.rollout.agents import resolve_agent
-from pipeline.rollout.data import load_rows
-from pipeline.rollout.runner import Executor
-from pipeline.rollout.sessions import SessionPlan, drive_session, make_executor, with_agent_metrics
 from schemas.api.rl import SamplingOverride
 from schemas.config import ArlConfig, DatasetConfig, EvalSetConfig
 from schemas.trajectory import TrajectoryRow

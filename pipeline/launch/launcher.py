@@ -14,17 +14,17 @@ from pathlib import Path
 
 from rich.console import Console
 
-from pipeline.check import require, warn_if_python_not_shared
-from pipeline.config import dump_config
 from pipeline.errors import ArlError, SchemaError, WaitTimeout
-from pipeline.handoff import write_text_atomic
-from pipeline.launch.jobs import JobRecord, add_record, latest, next_attempt, read_jobs, update_record
+from pipeline.launch.check import require, warn_if_python_not_shared
 from pipeline.launch.plan import StagePlan, plan_run, sbatch_script_path
 from pipeline.launch.rundir import create_run_dir, refuse_if_running, remove_run_dir, resolve_run
 from pipeline.launch.sbatch import render_sbatch
-from pipeline.launch.state import JobState, record_states
-from pipeline.paths import RunPaths
-from pipeline.weight_version import published_version
+from pipeline.run.config import dump_config
+from pipeline.run.handoff import write_text_atomic
+from pipeline.run.job_state import JobState, record_states
+from pipeline.run.jobs import JobRecord, add_record, latest, next_attempt, read_jobs, update_record
+from pipeline.run.paths import RunPaths
+from pipeline.run.weight_version import published_version
 from schemas.config import ArlConfig
 
 EXECUTORS = ("slurm", "local")
@@ -43,7 +43,7 @@ def launch(
 ) -> int:
     """`arl launch` (docs/cli.md). Exit status: 0 submitted / finished, 1 a stage failed, 130 interrupted.
 
-    Everything is checked (`pipeline.check.require`) before anything is written or submitted. `dry_run`
+    Everything is checked (`pipeline.launch.check.require`) before anything is written or submitted. `dry_run`
     writes the scripts under `out` only; `prepare` creates the run dir and its scripts for plain sbatch.
     """
     if executor not in EXECUTORS:

@@ -1,6 +1,6 @@
 """`--executor local`: the same stage commands as local processes, supervised until the trainer ends.
 
-While it waits it prints one line per trained step (`pipeline.run_progress.step_line`), on a
+While it waits it prints one line per trained step (`pipeline.run.progress.step_line`), on a
 terminal or not, so a piped or logged `arl launch --executor local` shows the run's progress.
 
 Each stage runs in its own session (process group), so the terminal's Ctrl-C reaches only the
@@ -26,11 +26,11 @@ from typing import IO, Any
 
 from rich.console import Console
 
-from pipeline.console import people_console
-from pipeline.launch.jobs import JobRecord, add_record, read_jobs, update_record
 from pipeline.launch.plan import StagePlan
-from pipeline.paths import RunPaths
-from pipeline.run_progress import StepFeed, step_line
+from pipeline.run.console import people_console
+from pipeline.run.jobs import JobRecord, add_record, read_jobs, update_record
+from pipeline.run.paths import RunPaths
+from pipeline.run.progress import StepFeed, step_line
 
 GRACE_S = 10.0
 """Seconds a stage gets to exit after SIGTERM before SIGKILL."""

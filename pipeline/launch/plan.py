@@ -5,7 +5,7 @@ through the run dir, so the launcher never passes them anything else and the ord
 submission never matters. Two stages may span nodes: the trainer (with more than one GPU or node it
 runs under torchrun, one torchrun per node started by `srun`, meeting at a c10d rendezvous on the
 job's first node) and the inference servers (`srun` runs the stage once per node, each copy starting
-its node's servers: `pipeline.engine.server.placement`).
+its node's servers: `pipeline.engine.inference.placement`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import ConfigError
-from pipeline.paths import RunPaths
+from pipeline.run.paths import RunPaths
 from schemas.config import ArlConfig, StageResources
 
 LAUNCH_ORDER = ("inference", "rollout", "proxy", "train")

@@ -15,12 +15,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import dump_config, load_config
 from pipeline.errors import ArlError
-from pipeline.handoff import write_text_atomic
-from pipeline.launch.jobs import read_jobs
-from pipeline.launch.state import record_states
-from pipeline.paths import RunPaths
+from pipeline.run.config import dump_config, load_config
+from pipeline.run.handoff import write_text_atomic
+from pipeline.run.job_state import record_states
+from pipeline.run.jobs import read_jobs
+from pipeline.run.paths import RunPaths
 from schemas.config import ArlConfig
 
 log = logging.getLogger("arl.launch")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pipeline.errors import ArlError
 from pipeline.launch.plan import StagePlan, job_name, sbatch_directives, sbatch_script_path
-from pipeline.paths import RunPaths
+from pipeline.run.paths import RunPaths
 from schemas.config import ArlConfig
 
 TEMPLATE_NAME = "stage.sbatch.j2"

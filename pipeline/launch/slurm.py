@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ArlError
-from pipeline.launch.jobs import JobRecord
 from pipeline.launch.plan import StagePlan, submitit_folder
 from pipeline.launch.sbatch import render_sbatch
-from pipeline.paths import RunPaths
+from pipeline.run.jobs import JobRecord
+from pipeline.run.paths import RunPaths
 from schemas.config import ArlConfig
 
 

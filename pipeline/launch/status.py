@@ -17,15 +17,15 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.console import fit_columns, people_console, table_width
 from pipeline.errors import ArlError, SchemaError
 from pipeline.eval.results import evaluation_lines
-from pipeline.launch.jobs import JobRecord, latest, read_jobs, update_record
-from pipeline.launch.state import JobState, pid_is_ours, record_states, unhealthy_nodes
-from pipeline.paths import RunPaths
-from pipeline.run_progress import records_of, step_table
-from pipeline.timeline import timeline_lines
-from pipeline.weight_version import published_version
+from pipeline.run.console import fit_columns, people_console, table_width
+from pipeline.run.job_state import JobState, pid_is_ours, record_states, unhealthy_nodes
+from pipeline.run.jobs import JobRecord, latest, read_jobs, update_record
+from pipeline.run.paths import RunPaths
+from pipeline.run.progress import records_of, step_table
+from pipeline.run.timeline import timeline_lines
+from pipeline.run.weight_version import published_version
 
 RECENT_STEPS = 5
 

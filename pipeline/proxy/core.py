@@ -23,7 +23,7 @@ from pipeline.proxy.parsers import TOOL_PARSERS, Event, OutputParser, Parsed, co
 from pipeline.proxy.sessions import Session
 from pipeline.proxy.streaming import IncrementalDetokenizer, StopHolder, cut_at_stop
 from pipeline.proxy.tokenize import ChatTokenizer, check_context, check_context_bound
-from pipeline.trajectory import Interaction
+from pipeline.proxy.trajectory import Interaction
 from schemas.api.rl import SamplingOverride
 from schemas.config.model import ModelConfig
 from schemas.config.proxy import ProxyConfig

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pipeline.apidoc import add_components
+from pipeline.net.apidoc import add_components
 from pipeline.proxy.errors import ApiError, format_validation_errors
 
 log = logging.getLogger("arl.proxy.http")

@@ -18,7 +18,7 @@ from pipeline.proxy.capacity import Capacity
 from pipeline.proxy.control import ExportedSession, NoCapacity, ProxyAPIError, SessionInfo
 from pipeline.proxy.errors import ApiError
 from pipeline.proxy.sessions import Session, SessionStore
-from pipeline.trajectory import EXPORT_STYLES, ExportStyle
+from pipeline.proxy.trajectory import EXPORT_STYLES, ExportStyle
 from schemas.api.rl import SamplingOverride
 
 OWNER = "admin"

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from pipeline.apidoc import STATUS_TEXT, errors, ref, sse_stream
+from pipeline.net.apidoc import STATUS_TEXT, errors, ref, sse_stream
 from schemas.api.answers import (
     AnthropicError,
     AnthropicMessageObject,

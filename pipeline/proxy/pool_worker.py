@@ -80,7 +80,7 @@ class EndForwarder:
 
 def serve_worker(spec: WorkerSpec, counts: Any, conn: Any) -> None:
     """The child's entry point (`multiprocessing` target)."""
-    from pipeline.logs import run_async, setup_logging
+    from pipeline.run.logs import run_async, setup_logging
 
     setup_logging(level=logging.getLevelName(spec.log_level) if spec.log_level else None)
     try:
@@ -99,10 +99,10 @@ async def _serve(spec: WorkerSpec, counts: Any, conn: Any) -> None:
 
     from pipeline.engine.client import EngineClient
     from pipeline.engine.registry import urls_from_registry
-    from pipeline.paths import RunPaths
     from pipeline.proxy.capacity import Capacity
     from pipeline.proxy.server import ProxyServer
-    from pipeline.weight_version import AnnouncedAdapter
+    from pipeline.run.paths import RunPaths
+    from pipeline.run.weight_version import AnnouncedAdapter
     from schemas.config.model import ModelConfig
     from schemas.config.proxy import ProxyConfig
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from pipeline.proxy.errors import ApiError
 from pipeline.proxy.sessions import Caller, Session, SessionStore
-from pipeline.trajectory import TrajectoryError, UnknownInteraction
+from pipeline.proxy.trajectory import TrajectoryError, UnknownInteraction
 from schemas.api.rl import (
     AnyAgentFinalize,
     AnyAgentSetReward,

@@ -23,9 +23,9 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 
-from pipeline.apidoc import publish
 from pipeline.engine.client import EngineClient
-from pipeline.engine.net import PeerLog, public_host
+from pipeline.net.addresses import PeerLog, public_host
+from pipeline.net.apidoc import publish
 from pipeline.proxy import anthropic_messages, openai_chat, openai_responses, rl
 from pipeline.proxy import openapi as doc
 from pipeline.proxy.auth import ROUTE_KEYS, KeyCheck, caller_of, check_routes

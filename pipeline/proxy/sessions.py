@@ -44,7 +44,7 @@ from pipeline.proxy.capacity import Capacity
 from pipeline.proxy.control import RUN_STATUSES, ExportedSession
 from pipeline.proxy.errors import ApiError
 from pipeline.proxy.messages import MessageKey, common_prefix_len, prefix_hashes
-from pipeline.trajectory import ExportStyle, Interaction, SessionTree, TrajectoryError
+from pipeline.proxy.trajectory import ExportStyle, Interaction, SessionTree, TrajectoryError
 from schemas.api.rl import SamplingOverride
 from schemas.config.proxy import ProxyConfig
 

@@ -34,18 +34,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.agents.episode import export_session, sort_key
 from pipeline.errors import ArlError
-from pipeline.paths import RunPaths
 from pipeline.proxy.control import ProxyControl
 from pipeline.proxy.local import LocalControl
 from pipeline.proxy.pool import PoolControl
 from pipeline.proxy.sessions import EndHook, SessionEnd
 from pipeline.rollout.loop import filter_rows, missing_steps, open_sink
-from pipeline.rollout.metrics import StepTally
-from pipeline.rollout.sessions import export_session, sort_key
 from pipeline.rollout.spool import CONSUMED_KEY, Spool, SpooledSession
-from pipeline.stage import StageContext
-from pipeline.weight_version import published_version
+from pipeline.rollout.stats import StepTally
+from pipeline.run.paths import RunPaths
+from pipeline.run.stage import StageContext
+from pipeline.run.weight_version import published_version
 from schemas.config import ArlConfig
 from schemas.trajectory import TrajectoryRow
 
@@ -168,7 +168,7 @@ async def admit(run: ExternalRun, step: int, buffered: int) -> None:
 async def run_external(ctx: StageContext, *, name: str = "external") -> list[int]:
     """The `proxy` stage: serve the standalone proxy and publish steps of outside sessions until
     `num_steps` (or exactly `ctx.only_step`); return the steps published."""
-    from pipeline.rollout.services import open_services
+    from pipeline.proxy.services import open_services
 
     config, paths, only_step = ctx.config, ctx.paths, ctx.only_step
 
@@ -232,7 +232,7 @@ async def fill_step(run: ExternalRun, step: int, tally: StepTally) -> tuple[list
 def publish_external_step(paths: RunPaths, config: ArlConfig, step: int, rows: list[TrajectoryRow],
                           consumed: list[str], tally: StepTally, name: str) -> dict[str, Any]:  # fmt: skip
     """Filter and publish the step; its manifest lists `consumed` (what a restart must not count again)."""
-    from pipeline.shards import write_step
+    from pipeline.run.shards import write_step
 
     rows = filter_rows(rows, step, config, tally)
     stats = tally.summary(rows)

@@ -8,7 +8,7 @@ manifest → record the cursor → log metrics. docs/rollout.md describes the lo
 
 Resume: the first step in [0, num_steps) without a manifest is redone whole (a step killed midway
 left at most a staging dir, which `write_step` removes). `--step N` redoes exactly step N. The
-prompts of a step depend only on k (see `pipeline.rollout.data`), so both are exact.
+prompts of a step depend only on k (see `pipeline.agents.dataset`), so both are exact.
 """
 
 from __future__ import annotations
@@ -19,21 +19,21 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.agents.dataset import Prompt, PromptSource, Schedule, check_cursor, load_rows, write_cursor
+from pipeline.agents.episode import SessionPlan, drive_session, make_executor, sort_key, with_agent_metrics
+from pipeline.agents.loading import resolve_agent
+from pipeline.agents.runner import Executor
 from pipeline.errors import ArlError
 from pipeline.eval.inrun import InRunEvaluation, pending_versions
 from pipeline.eval.runner import Where
-from pipeline.metrics import MetricsSink
-from pipeline.paths import RunPaths
 from pipeline.proxy.control import ProxyControl
-from pipeline.rollout.agents import resolve_agent
-from pipeline.rollout.data import Prompt, PromptSource, Schedule, check_cursor, load_rows, write_cursor
-from pipeline.rollout.metrics import StepTally, drop_constant_groups
-from pipeline.rollout.progress import StepProgress
-from pipeline.rollout.runner import Executor
-from pipeline.rollout.sessions import SessionPlan, drive_session, make_executor, sort_key, with_agent_metrics
+from pipeline.rollout.progress_bar import StepProgress
 from pipeline.rollout.staleness import required_version, split_stale, wait_for_version
+from pipeline.rollout.stats import StepTally, drop_constant_groups
 from pipeline.rollout.tasks import TaskMix, task_figures
-from pipeline.stage import StageContext
+from pipeline.run.paths import RunPaths
+from pipeline.run.sinks import MetricsSink
+from pipeline.run.stage import StageContext
 from schemas.config import ArlConfig
 from schemas.trajectory import TrajectoryRow
 
@@ -62,7 +62,7 @@ class Rollout:
 
 async def run_rollout(ctx: StageContext) -> list[int]:
     """The `rollout` stage: produce the missing steps (or exactly `ctx.only_step`); return the steps published."""
-    from pipeline.rollout.services import open_services
+    from pipeline.proxy.services import open_services
 
     config, paths, only_step = ctx.config, ctx.paths, ctx.only_step
 
@@ -122,7 +122,7 @@ def missing_steps(paths: RunPaths, num_steps: int) -> list[int]:
 def open_sink(ctx: StageContext) -> MetricsSink:
     """`metrics/rollout.jsonl`, TensorBoard and (with `metrics.wandb`) this stage's W&B run, all under `rollout/`:
     the rollout and the standalone proxy stage write the same rows."""
-    from pipeline.metrics import JsonlSink, MultiSink, TensorBoardSink, open_wandb
+    from pipeline.run.sinks import JsonlSink, MultiSink, TensorBoardSink, open_wandb
 
     paths = ctx.paths
     wandb = open_wandb(ctx.config, paths, ctx.name, prefix="rollout", redo_step=ctx.only_step)
@@ -239,7 +239,7 @@ def check_error_rate(tally: StepTally, max_rate: float, step: int) -> None:
 
 def publish_step(ro: Rollout, step: int, rows: list[TrajectoryRow], tally: StepTally) -> None:
     """Shards and manifest (its `extra`: the step's statistics so far), then the dataset cursor."""
-    from pipeline.shards import write_step
+    from pipeline.run.shards import write_step
 
     rows.sort(key=sort_key)  # stable file order
     write_step(ro.paths, step, rows, producer="rollout", tokenizer=ro.tokenizer, extra=tally.summary(rows))

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ArlError
-from pipeline.handoff import clean_stale_tmp, fsync_dir, write_bytes_atomic
-from pipeline.paths import RunPaths
+from pipeline.run.handoff import clean_stale_tmp, fsync_dir, write_bytes_atomic
+from pipeline.run.paths import RunPaths
 from schemas.trajectory import TrajectoryRow
 
 log = logging.getLogger("arl.proxy.spool")
@@ -158,7 +158,7 @@ class Spool:
 
 def published_sessions(paths: RunPaths) -> set[str]:
     """Every session id a published step lists as consumed."""
-    from pipeline.shards import read_manifest
+    from pipeline.run.shards import read_manifest
 
     found: set[str] = set()
     for step in paths.complete_steps():

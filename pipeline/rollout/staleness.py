@@ -17,9 +17,9 @@ from collections.abc import Awaitable, Callable
 
 from pipeline.engine.client import EngineError
 from pipeline.errors import WaitTimeout
-from pipeline.handoff import poll_delay
-from pipeline.paths import RunPaths
-from pipeline.weight_version import published_version
+from pipeline.run.handoff import poll_delay
+from pipeline.run.paths import RunPaths
+from pipeline.run.weight_version import published_version
 from schemas.trajectory import TrajectoryRow
 
 log = logging.getLogger("arl.rollout")

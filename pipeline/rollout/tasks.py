@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.rollout.data import Prompt, Schedule, load_rows
+from pipeline.agents.dataset import Prompt, Schedule, load_rows
 from schemas.config import TaskConfig
 from schemas.config.rollout import task_of
 from schemas.trajectory import TrajectoryRow

@@ -1,1 +1,1 @@
-"""Jinja chat templates shipped with arl (read as package data by `pipeline.tiny_model`)."""
+"""Jinja chat templates shipped with arl (read as package data by `pipeline.demo.tiny_model`)."""

@@ -1,4 +1,4 @@
-"""The trainer backend interface (the factory that picks one by `trainer.backend` is `backends.py`).
+"""The trainer backend interface (the factory that picks one by `trainer.backend` is `factory.py`).
 
 A backend owns the model, the optimizer and the scheduler, and runs forward/backward passes.
 Everything else is shared and backend-independent: loading and checking the step (`data.py`),

@@ -8,7 +8,7 @@ backend), RNG states (torch, numpy, python, CUDA) and `data.json` (next step, se
 with its own `_COMPLETE`.
 
 Crash safety: both directories are staged under a temp name and renamed into place with the marker
-written last (`pipeline.handoff`); the state is published BEFORE the checkpoint, so "checkpoint v is
+written last (`pipeline.run.handoff`); the state is published BEFORE the checkpoint, so "checkpoint v is
 complete" implies "state v is complete", and a resume point is a version with both. `LATEST` is
 rewritten after every checkpoint; old versions are deleted only after a newer one is complete.
 """
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.handoff import (
+from pipeline.run.handoff import (
     clean_stale_tmp,
     naming_write_errors,
     publish_dir,
@@ -36,7 +36,7 @@ from pipeline.handoff import (
     staging_dir,
     write_text_atomic,
 )
-from pipeline.paths import COMPLETE, RunPaths
+from pipeline.run.paths import COMPLETE, RunPaths
 
 log = logging.getLogger("arl.trainer")
 

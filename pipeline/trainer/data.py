@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.errors import SchemaError
-from pipeline.paths import RunPaths
+from pipeline.run.paths import RunPaths
 from schemas.config.rollout import DEFAULT_TASK, task_of
 
 log = logging.getLogger("arl.trainer")
@@ -80,7 +80,7 @@ def rows_to_samples(rows: list[dict]) -> list[Sample]:
 def load_step(paths: RunPaths, step: int, max_staleness: int, with_tasks: bool = False) -> StepData:
     """Read and check trajectories/step_k (schema version and sha256 are checked by `read_step`); `with_tasks`
     also reads each sample's task from its metadata."""
-    from pipeline.shards import read_step
+    from pipeline.run.shards import read_step
 
     table = read_step(paths, step, verify=True, columns=[*COLUMNS, "metadata"] if with_tasks else COLUMNS)
     rows = table.to_pylist()

@@ -20,20 +20,20 @@ import torch
 
 from pipeline.errors import ArlError
 from pipeline.eval.hold import hold_for_evaluation
-from pipeline.handoff import read_json, wait_for, write_json_atomic
-from pipeline.paths import RunPaths, step_name
-from pipeline.stage import StageContext
+from pipeline.run.handoff import read_json, wait_for, write_json_atomic
+from pipeline.run.paths import RunPaths, step_name
+from pipeline.run.stage import StageContext
+from pipeline.run.weight_version import write_weight_version
 from pipeline.trainer import checkpoint as ckpt
 from pipeline.trainer import fsdp
 from pipeline.trainer.advantages import compute_advantages, normalize_per_task
 from pipeline.trainer.backend import MinibatchStats
-from pipeline.trainer.backends import make_backend
 from pipeline.trainer.data import StepData, load_step
+from pipeline.trainer.factory import make_backend
 from pipeline.trainer.losses import LossOutput, TokenBatch, policy_loss
 from pipeline.trainer.metrics import Timings, open_sinks, peak_flops, publish_figures, step_metrics
 from pipeline.trainer.packing import MicroBatch, plan_step
-from pipeline.trainer.publish import PublishOptions, make_publisher
-from pipeline.weight_version import write_weight_version
+from pipeline.trainer.publish.publisher import PublishOptions, make_publisher
 from schemas.config import ArlConfig
 
 if TYPE_CHECKING:

@@ -24,8 +24,8 @@ import torch
 
 from pipeline.engine.server.weights import read_checkpoint
 from pipeline.errors import ArlError, ConfigError
-from pipeline.handoff import publish_dir, staging_dir
-from pipeline.paths import ADAPTER_CONFIG, COMPLETE, MERGED, RunPaths, is_adapter_dir
+from pipeline.run.handoff import publish_dir, staging_dir
+from pipeline.run.paths import ADAPTER_CONFIG, COMPLETE, MERGED, RunPaths, is_adapter_dir
 from pipeline.trainer.checkpoint import copy_tokenizer, publish_checkpoint, write_hf_model
 from schemas.config import LoraConfig
 

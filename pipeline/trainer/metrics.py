@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.metrics import JsonlSink, MetricsSink, MultiSink, NullSink, TensorBoardSink, open_wandb
-from pipeline.paths import RunPaths
+from pipeline.run.paths import RunPaths
+from pipeline.run.sinks import JsonlSink, MetricsSink, MultiSink, NullSink, TensorBoardSink, open_wandb
 from pipeline.trainer.backend import MinibatchStats
 from pipeline.trainer.data import StepData
 from pipeline.trainer.losses import MISMATCH_LOG_RATIO

@@ -22,8 +22,8 @@ from pipeline.trainer import fsdp, lora
 from pipeline.trainer.backend import LossAccumulator, LossFn, MinibatchStats
 from pipeline.trainer.checkpoint import save_torch
 from pipeline.trainer.losses import entropy_from_logits, gather_logprobs, logit_scale
+from pipeline.trainer.lr_schedule import make_scheduler
 from pipeline.trainer.packing import MicroBatch
-from pipeline.trainer.schedule import make_scheduler
 from schemas.config import ArlConfig
 
 log = logging.getLogger("arl.trainer")

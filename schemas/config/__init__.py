@@ -2,7 +2,7 @@
 
 `ArlConfig` is the whole file. Every field has a docstring (shown by `arl config --help-fields`
 and in docs); unknown keys are errors. Loading, overrides and the frozen copy in the run
-directory live in `pipeline.config`.
+directory live in `pipeline.run.config`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ class Block(BaseModel):
 
     renamed_keys: ClassVar[dict[str, str]] = {}
     """Keys this block no longer has -> how to write them now, so an old config is told the new key
-    instead of only "unknown key" (`pipeline.config` reports it for files and overrides alike)."""
+    instead of only "unknown key" (`pipeline.run.config` reports it for files and overrides alike)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.demo import MODEL_NAME
+from pipeline.demo.demo_run import MODEL_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -92,7 +92,7 @@ def check_arl_eval(arl: list[str], run_dir: Path, cwd: Path) -> None:
     version or set that is not there is one line and exit 2, before any engine starts."""
     import json
 
-    from pipeline.shards import read_step_dir
+    from pipeline.run.shards import read_step_dir
 
     done = subprocess.run([*arl, "eval", str(run_dir), "--step", str(STEPS), "--format", "json"], cwd=cwd,
                           env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip

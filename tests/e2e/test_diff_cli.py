@@ -14,10 +14,10 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.config import dump_config, load_config
-from pipeline.handoff import write_text_atomic
-from pipeline.metrics import JsonlSink
-from pipeline.paths import RunPaths
+from pipeline.run.config import dump_config, load_config
+from pipeline.run.handoff import write_text_atomic
+from pipeline.run.paths import RunPaths
+from pipeline.run.sinks import JsonlSink
 
 REPO = Path(__file__).resolve().parents[2]
 ARL = REPO / ".venv" / "bin" / "arl"

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.doctor_checks import check_served_weights
-from pipeline.tiny_model import make_tiny_model
+from pipeline.demo.doctor_checks import check_served_weights
+from pipeline.demo.tiny_model import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -71,7 +71,7 @@ def test_gpu_backend_on_cpu_is_a_usage_error(tmp_path: Path) -> None:
 def test_weight_check_fails_against_a_server_with_other_weights(
     doctor_run: tuple[subprocess.CompletedProcess[str], Path], tmp_path: Path
 ) -> None:
-    from pipeline.engine.server.hf import start_hf_server
+    from pipeline.engine.server.hf.process import start_hf_server
 
     _, workdir = doctor_run
     checkpoints = sorted(workdir.glob("doctor/*/checkpoints/step_000002"))

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.paths import RunPaths
+from pipeline.run.paths import RunPaths
 
 # Each trial set starts several stages (tens of seconds each on a busy 2-core machine).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -74,7 +74,7 @@ def _load_state_file(path: Path) -> None:
 def _scan(paths: RunPaths, checks: Counter[str], problems: list[str], names: dict[str, set[str]]) -> None:
     from safetensors.torch import load_file
 
-    from pipeline.shards import read_step
+    from pipeline.run.shards import read_step
     from schemas.trajectory import validate_table
 
     for step in paths.complete_steps():
@@ -125,7 +125,7 @@ def _tally(kind: str, result: str | None, checks: Counter[str], problems: list[s
 
 def watch(root: str, stop_file: str, out_file: str) -> None:
     """Scan `root` until `stop_file` exists; write {"checks": {...}, "problems": [...]} to `out_file`."""
-    from pipeline.handoff import write_json_atomic
+    from pipeline.run.handoff import write_json_atomic
 
     paths = RunPaths(Path(root))
     checks: Counter[str] = Counter()
@@ -194,8 +194,8 @@ def kill_at_random(proc: subprocess.Popen[bytes], rng: random.Random, trial: int
 
 
 def rollout_run(tmp_path: Path, model_dir: Path, num_steps: int, engine_url: str | None) -> RunPaths:
-    from pipeline.config import dump_config, validate_config
     from pipeline.engine.registry import write_entry
+    from pipeline.run.config import dump_config, validate_config
     from schemas.engine_api import InferenceEntry
 
     (tmp_path / "agent.py").write_text(AGENT)
@@ -231,9 +231,9 @@ class OneCall:
 
 
 def assert_rollout_steps_exactly_once(paths: RunPaths, num_steps: int) -> None:
-    from pipeline.config import config_from_run_dir
     from pipeline.rollout.loop import build_schedule
-    from pipeline.shards import read_step
+    from pipeline.run.config import config_from_run_dir
+    from pipeline.run.shards import read_step
 
     assert paths.complete_steps() == list(range(num_steps))
     schedule = build_schedule(config_from_run_dir(paths.root))
@@ -265,7 +265,7 @@ def run_to_completion(name: str, paths: RunPaths, log: Path, timeout: float = 40
 
 # -- the trials ----------------------------------------------------------------------------------
 def test_rollout_killed_at_random_points(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from pipeline.engine.server.hf import start_hf_server
+    from pipeline.engine.server.hf.process import start_hf_server
 
     rng = random.Random(20261122)
     with start_hf_server(tiny_model_dir) as engine:
@@ -292,7 +292,7 @@ def test_trainer_killed_at_random_points(make_train_run, tmp_path: Path) -> None
     import torch
     from safetensors.torch import load_file
 
-    from pipeline.metrics import read_jsonl
+    from pipeline.run.sinks import read_jsonl
 
     reference = make_train_run(steps=[0, 1, 2, 3], overrides=TRAIN_OVERRIDES, name="reference")
     run_to_completion("train", reference, tmp_path / "reference.log")

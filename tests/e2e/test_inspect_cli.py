@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.paths import RunPaths
-from pipeline.shards import write_step
-from pipeline.trajectory import Interaction, SessionTree
+from pipeline.proxy.trajectory import Interaction, SessionTree
+from pipeline.run.paths import RunPaths
+from pipeline.run.shards import write_step
 from schemas.trajectory import rows_from_dicts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -148,7 +148,7 @@ def test_html_is_one_self_contained_page_per_step(run_dir: RunPaths, tmp_path: P
 
 
 def test_missing_tokenizer_falls_back_to_ids(tmp_path: Path, run_dir: RunPaths) -> None:
-    from pipeline.shards import read_step
+    from pipeline.run.shards import read_step
 
     paths = RunPaths(tmp_path / "run")
     table = read_step(run_dir, 1).to_pylist()

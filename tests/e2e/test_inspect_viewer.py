@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 from test_inspect_cli import chained_session  # tests/e2e is on sys.path (pytest)
 
-from pipeline.paths import RunPaths
-from pipeline.shards import write_step
-from pipeline.trajectory import SessionTree
+from pipeline.proxy.trajectory import SessionTree
+from pipeline.run.paths import RunPaths
+from pipeline.run.shards import write_step
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "tests" / "artifacts"

@@ -224,8 +224,8 @@ def test_status_and_stop_of_a_local_run(workdir: Path) -> None:
 
 def test_torchrun_line_starts_one_process_per_gpu(workdir: Path) -> None:
     """The multi-GPU trainer command really runs under torchrun (2 CPU processes stand in for 2 GPUs)."""
-    from pipeline.config import load_config
     from pipeline.launch.plan import plan_stage
+    from pipeline.run.config import load_config
 
     config = load_config(workdir / "config.yaml", ["cluster.train.gpus_per_node=2"])
     plan = plan_stage(config, "train", run_dir(workdir))

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pipeline.paths import RunPaths
+from pipeline.run.paths import RunPaths
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
@@ -42,7 +42,7 @@ def overrides(tmp_path: Path, model: Path, name: str, mode: str) -> list[str]:
 
 def sampled_versions(paths: RunPaths) -> list[list[int]]:
     """Per shard row, the versions of its sampled tokens, in order."""
-    from pipeline.shards import read_step
+    from pipeline.run.shards import read_step
 
     out = []
     for step in paths.complete_steps():
@@ -113,7 +113,7 @@ def paused_server(paths: RunPaths) -> str | None:
 
 def test_inference_stage_killed_during_a_paused_swap_then_the_run_resumes(tmp_path: Path,
                                                                           tiny_model_dir: Path) -> None:  # fmt: skip
-    from pipeline.config import dump_config, load_config
+    from pipeline.run.config import dump_config, load_config
 
     config = load_config(DEMO, overrides(tmp_path, tiny_model_dir, "killswap", "interrupt"))
     paths = RunPaths.from_config(config.fileroot, config.experiment_name, config.trial_name)

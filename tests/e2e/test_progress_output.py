@@ -23,10 +23,10 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.config import dump_config, load_config
-from pipeline.launch.jobs import JobRecord, add_record
-from pipeline.paths import RunPaths
-from pipeline.run_progress import COLUMNS
+from pipeline.run.config import dump_config, load_config
+from pipeline.run.jobs import JobRecord, add_record
+from pipeline.run.paths import RunPaths
+from pipeline.run.progress import COLUMNS
 
 REPO = Path(__file__).resolve().parents[2]
 ARL = [sys.executable, "-m", "pipeline.cli"]

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from pipeline.config import dump_config, validate_config
-from pipeline.paths import RunPaths
+from pipeline.run.config import dump_config, validate_config
+from pipeline.run.paths import RunPaths
 
 ARL = str(Path(sys.executable).with_name("arl"))
 CLIENT_KEY = "ck-spool-test"
@@ -33,7 +33,7 @@ CLIENT_KEY = "ck-spool-test"
 
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_dir: Path) -> Iterator[str]:
-    from pipeline.engine.server.hf import start_hf_server
+    from pipeline.engine.server.hf.process import start_hf_server
 
     with start_hf_server(tiny_model_dir) as handle:
         yield handle.url
@@ -99,7 +99,7 @@ def test_finished_sessions_survive_kill9_of_the_proxy_stage(tmp_path: Path, tiny
                                                              engine_url: str) -> None:  # fmt: skip
     from pipeline.proxy.tokenize import ChatTokenizer
     from pipeline.rollout.spool import CONSUMED_KEY
-    from pipeline.shards import read_manifest, read_step
+    from pipeline.run.shards import read_manifest, read_step
     from schemas.trajectory import validate_table
 
     paths = _run_dir(tmp_path, tiny_model_dir, engine_url)

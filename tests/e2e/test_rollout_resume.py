@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from pipeline.config import dump_config, validate_config
-from pipeline.paths import RunPaths
+from pipeline.run.config import dump_config, validate_config
+from pipeline.run.paths import RunPaths
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ ARL = str(Path(sys.executable).with_name("arl"))
 
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_dir: Path) -> Iterator[str]:
-    from pipeline.engine.server.hf import start_hf_server
+    from pipeline.engine.server.hf.process import start_hf_server
 
     with start_hf_server(tiny_model_dir) as handle:
         yield handle.url
@@ -92,7 +92,7 @@ def _finish(process: subprocess.Popen[bytes], timeout: float = 240) -> str:
 
 
 def _rows(paths: RunPaths, step: int) -> list[dict[str, Any]]:
-    from pipeline.shards import read_step
+    from pipeline.run.shards import read_step
     from schemas.trajectory import validate_table
 
     table = read_step(paths, step)
@@ -181,7 +181,7 @@ def test_kill9_mid_evaluation_then_resume_evaluates_each_version_once(tmp_path: 
     assert "evaluation of version 0 on held" in text
     lines = [json.loads(x) for x in paths.eval_metrics.read_text().splitlines()]
     assert [(x["version"], x["set"], x["runs"], x["failed_runs"]) for x in lines] == [(0, "held", 3, 0)]
-    from pipeline.shards import read_step_dir
+    from pipeline.run.shards import read_step_dir
 
     table, manifest = read_step_dir(eval_dir)
     assert table.num_rows == 3 and (manifest.weight_versions.min, manifest.weight_versions.max) == (0, 0)

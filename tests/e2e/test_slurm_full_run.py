@@ -66,8 +66,8 @@ def sacct_state(job_id: str) -> str:
 
 def test_demo_under_slurm_survives_a_cancelled_trainer(tmp_path: Path, tiny_model_dir: Path) -> None:
     from pipeline.launch.launcher import finished_version
-    from pipeline.paths import RunPaths
-    from pipeline.shards import read_step
+    from pipeline.run.paths import RunPaths
+    from pipeline.run.shards import read_step
 
     # Synchronous (max_staleness 0): each step's rollout waits for the previous version, so the trainer cannot
     # run ahead and finish every step before the cancel lands (on a quiet machine it once did, and the resume

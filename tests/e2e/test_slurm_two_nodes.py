@@ -91,7 +91,7 @@ def wait_until(check: Callable[[], bool], what: str, run_dir: Path, timeout: flo
 
 def version(run_dir: Path) -> int:
     from pipeline.launch.launcher import finished_version
-    from pipeline.paths import RunPaths
+    from pipeline.run.paths import RunPaths
 
     return finished_version(RunPaths(run_dir))
 
@@ -201,8 +201,8 @@ def _assert_placement(run_dir: Path, first: dict[str, str]) -> None:
 
 def _assert_run_complete(run_dir: Path) -> None:
     """Every step exactly once, shards valid, no session in two steps, checkpoints and metrics complete."""
-    from pipeline.paths import RunPaths
-    from pipeline.shards import read_step
+    from pipeline.run.paths import RunPaths
+    from pipeline.run.shards import read_step
 
     paths = RunPaths(run_dir)
     assert paths.complete_steps() == list(range(NUM_STEPS))

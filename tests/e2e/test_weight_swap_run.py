@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.paths import RunPaths
+from pipeline.run.paths import RunPaths
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]

@@ -12,17 +12,17 @@ from pathlib import Path
 
 import httpx
 
-from pipeline.engine.net import free_port
+from pipeline.net.addresses import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager
 def hf_server_process(model: Path, log_path: Path, env: dict[str, str] | None = None) -> Iterator[str]:
-    """Start `python -m pipeline.engine.server.hf` on a free port, wait until it is healthy, yield its URL;
+    """Start `python -m pipeline.engine.server.hf.process` on a free port, wait until it is healthy, yield its URL;
     stop it (by pid) afterwards. A server that exits or stays unhealthy for 120 s fails with its log."""
     port = free_port()
-    argv = [sys.executable, "-m", "pipeline.engine.server.hf", "--model-path", str(model), "--port", str(port),
+    argv = [sys.executable, "-m", "pipeline.engine.server.hf.process", "--model-path", str(model), "--port", str(port),
             "--device", "cpu", "--seed", "0"]  # fmt: skip
     with open(log_path, "w") as log:
         full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}

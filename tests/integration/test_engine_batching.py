@@ -12,8 +12,8 @@ import pytest
 
 from pipeline.engine.client import EngineClient, EngineError
 from pipeline.engine.client.coalesce import BatchPolicy, batch_body
-from pipeline.engine.net import free_port
-from pipeline.engine.server.hf import ServerHandle, start_hf_server
+from pipeline.engine.server.hf.process import ServerHandle, start_hf_server
+from pipeline.net.addresses import free_port
 from tests.integration.test_engine_client import requests_seen, wait_until
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.engine.client import EngineClient, EngineError
-from pipeline.engine.net import free_port
 from pipeline.engine.registry import remove_entry, urls_from_registry, write_entry
-from pipeline.engine.server.hf import ServerHandle, start_hf_server
-from pipeline.paths import RunPaths
+from pipeline.engine.server.hf.process import ServerHandle, start_hf_server
+from pipeline.net.addresses import free_port
+from pipeline.run.paths import RunPaths
 from schemas.engine_api import InferenceEntry
 
 LONG = {"max_new_tokens": 1900, "ignore_eos": True}

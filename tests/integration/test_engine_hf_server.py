@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from pipeline.engine.server.hf import ServerHandle, start_hf_server
+from pipeline.engine.server.hf.process import ServerHandle, start_hf_server
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ async def test_concurrent_requests_of_different_lengths_match_teacher_forcing(se
 async def test_long_completions_outgrow_the_kv_buffers_and_match_teacher_forcing(server: ServerHandle, reference: Any):
     """Completions longer than the batch's spare KV columns (`kvbatch.SPARE_COLUMNS`), joining and leaving
     a running batch at different steps, so the buffers are moved to bigger ones mid-generation."""
-    from pipeline.engine.server.kvbatch import SPARE_COLUMNS
+    from pipeline.engine.server.hf.kvbatch import SPARE_COLUMNS
 
     lengths = [SPARE_COLUMNS * 2 + 7 * i for i in range(4)]
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from pipeline.engine.server.hf import start_hf_server
+from pipeline.engine.server.hf.process import start_hf_server
 
 PROMPT = [5, 17, 42, 99, 7, 64, 3, 250, 12, 31, 8, 77]
 
@@ -119,7 +119,7 @@ def test_a_bad_adapter_is_refused_with_the_reason_and_nothing_changes(server: An
 
 
 def test_an_adapter_of_another_model_is_refused(server: Any, tmp_path: Path) -> None:
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.demo.tiny_model import make_tiny_model
 
     smaller = make_tiny_model(tmp_path / "smaller", hidden_size=64, num_layers=3)
     wider = make_adapter(smaller, tmp_path / "wider", seed=4, targets=["q_proj"], rank=3)

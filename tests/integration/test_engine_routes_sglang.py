@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from fastapi.routing import APIRoute
 
+from pipeline.engine.inference.procs import REPO_ROOT
 from pipeline.engine.server.app import build_app
-from pipeline.engine.server.procs import REPO_ROOT
 
 SGLANG_PYTHON = REPO_ROOT / ".sglang-venv" / "bin" / "python"
 JUDGE = Path(__file__).with_name("sglang_judge.py")

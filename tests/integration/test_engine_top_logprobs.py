@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pipeline.engine.client import EngineClient
-from pipeline.engine.server.hf import ServerHandle, start_hf_server
+from pipeline.engine.server.hf.process import ServerHandle, start_hf_server
 
 TOL = 1e-4  # fp32 on CPU; measured differences are ~1e-6
 

@@ -24,9 +24,9 @@ import pytest
 import torch
 from hf_process import hf_server_process  # tests/integration is on sys.path (pytest)
 
-from pipeline.engine.net import free_port
-from pipeline.engine.server.hf import ServerHandle, start_hf_server
+from pipeline.engine.server.hf.process import ServerHandle, start_hf_server
 from pipeline.engine.weight_group import broadcast_from_trainer, init_weight_group
+from pipeline.net.addresses import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = [int(t) for t in torch.randint(3, 500, (32,), generator=torch.Generator().manual_seed(7))]

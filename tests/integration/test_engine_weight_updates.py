@@ -16,15 +16,15 @@ import torch
 from hf_process import hf_server_process  # tests/integration is on sys.path (pytest)
 
 from pipeline.engine.client import EngineClient, EngineError
-from pipeline.engine.net import free_port
-from pipeline.engine.server.hf import ServerHandle, start_hf_server
+from pipeline.engine.server.hf.process import ServerHandle, start_hf_server
 from pipeline.engine.weight_group import broadcast_from_trainer, dtype_name, init_weight_group
+from pipeline.net.addresses import free_port
 
 
 @pytest.fixture(scope="module")
 def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Same architecture and tokenizer as the tiny model, different weights (seed 1): "version 1"."""
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.demo.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny_seed1") / "m", template="qwen", seed=1)
 
@@ -70,7 +70,7 @@ async def test_update_from_disk_serves_new_weights_and_version(server: ServerHan
 async def test_bad_checkpoint_is_refused_and_old_weights_stay(
     server: ServerHandle, tiny_model_dir: Path, tmp_path: Path
 ):
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.demo.tiny_model import make_tiny_model
 
     wider = make_tiny_model(tmp_path / "wide", hidden_size=256)
     old = load(tiny_model_dir)

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from pipeline.config import dump_config, validate_config
 from pipeline.errors import ArlError
-from pipeline.handoff import write_json_atomic
-from pipeline.paths import RunPaths
-from pipeline.stage import StageContext
+from pipeline.run.config import dump_config, validate_config
+from pipeline.run.handoff import write_json_atomic
+from pipeline.run.paths import RunPaths
+from pipeline.run.stage import StageContext
 
 REPO = Path(__file__).resolve().parents[2]
 CLIENT_KEY = "ck-test-team"
@@ -28,7 +28,7 @@ CLIENT_KEY = "ck-test-team"
 
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_dir: Path) -> Iterator[str]:
-    from pipeline.engine.server.hf import start_hf_server
+    from pipeline.engine.server.hf.process import start_hf_server
 
     with start_hf_server(tiny_model_dir) as handle:
         yield handle.url
@@ -72,7 +72,7 @@ async def one_call(session: Any) -> None:
 async def test_external_agent_process_fills_steps(tmp_path: Path, tiny_model_dir: Path, engine_url: str) -> None:
     from pipeline.client import AgentSession
     from pipeline.rollout.external import run_external
-    from pipeline.shards import read_manifest, read_step
+    from pipeline.run.shards import read_manifest, read_step
     from schemas.trajectory import validate_table
 
     config, paths = make_run(tmp_path, tiny_model_dir, engine_url, max_staleness=1)
@@ -142,7 +142,7 @@ async def test_external_sessions_wait_for_fresh_weights(tmp_path: Path, tiny_mod
     assert await asyncio.wait_for(stage, 60) == [0, 1]
     # The engine itself still serves version 0, so step 1's tokens fail the per-token check: every
     # sample is dropped and counted, none trained on silently.
-    from pipeline.shards import read_manifest
+    from pipeline.run.shards import read_manifest
 
     extra = read_manifest(paths, 1).extra
     assert extra["dropped_stale"] == 4 and extra["samples"] == 0

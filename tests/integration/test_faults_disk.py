@@ -4,7 +4,7 @@ path, nothing half-written is ever visible, and a rerun once there is room compl
 Three ways to run out of room, all real: a 1-2 MiB `tmpfs` mounted for the test (needs root; skipped
 otherwise), `RLIMIT_FSIZE` set in the stage's subprocess (works for any user: writes past the limit
 fail with EFBIG), and a read-only run dir (a tmpfs remounted read-only as root, `chmod` otherwise).
-The stages are real `arl stage train` subprocesses; shards are written by `pipeline.shards.write_step`.
+The stages are real `arl stage train` subprocesses; shards are written by `pipeline.run.shards.write_step`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.paths import RunPaths
+from pipeline.run.paths import RunPaths
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_OVERRIDES = ["num_steps=1", "trainer.wait_timeout_s=5", "trainer.publish_timeout_s=10"]
@@ -64,7 +64,7 @@ def published_view_problems(paths: RunPaths) -> list[str]:
     checkpoint that does not load, LATEST naming an incomplete checkpoint, a step dir without marker."""
     from safetensors.torch import load_file
 
-    from pipeline.shards import read_step
+    from pipeline.run.shards import read_step
 
     problems = []
     for step in paths.complete_steps():
@@ -96,7 +96,7 @@ def assert_failed_naming(done: subprocess.CompletedProcess[str], root: Path, rea
 
 
 def assert_trained_once(paths: RunPaths) -> None:
-    from pipeline.metrics import read_jsonl
+    from pipeline.run.sinks import read_jsonl
 
     assert paths.checkpoint_marker(1).exists()
     assert [r["step"] for r in read_jsonl(paths.train_metrics)] == [0], "step 0 trained (and logged) exactly once"
@@ -106,9 +106,9 @@ def assert_trained_once(paths: RunPaths) -> None:
 @pytest.fixture(scope="module")
 def fsize_failures(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One trainer run and one shard write past a file-size limit (shared: each costs a subprocess)."""
-    from pipeline.config import dump_config, load_config
-    from pipeline.handoff import write_text_atomic
-    from pipeline.shards import write_step
+    from pipeline.run.config import dump_config, load_config
+    from pipeline.run.handoff import write_text_atomic
+    from pipeline.run.shards import write_step
     from pipeline.trainer.synthetic import add_behaviour_logprobs, synthetic_rows
     from schemas.trajectory import rows_from_dicts
 
@@ -178,8 +178,8 @@ import sys
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 from unit.test_shards import make_rows
-from pipeline.paths import RunPaths
-from pipeline.shards import write_step
+from pipeline.run.paths import RunPaths
+from pipeline.run.shards import write_step
 rows = make_rows(400, step=0, prompt=300, sampled=300, seed=1)
 write_step(RunPaths(Path({root!r})), 0, rows, producer="rollout", tokenizer="t", rows_per_part=50)
 print("published")

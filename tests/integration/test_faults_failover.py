@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from pipeline.engine.client import EngineClient, EngineError, GenerateResult
-from pipeline.paths import RunPaths
+from pipeline.run.paths import RunPaths
 
 REPO = Path(__file__).resolve().parents[2]
 LONG = {"max_new_tokens": 600, "ignore_eos": True}
@@ -130,7 +130,7 @@ def test_a_stream_cut_by_a_server_kill_fails_with_an_engine_error(killed_mid_req
 
 
 async def test_a_request_after_the_servers_keep_alive_expired_is_not_lost(tiny_model_dir: Path) -> None:
-    from pipeline.engine.server.hf import start_hf_server
+    from pipeline.engine.server.hf.process import start_hf_server
 
     with start_hf_server(tiny_model_dir) as server:
         async with EngineClient([server.url], health_interval_s=0) as client:
@@ -161,8 +161,8 @@ class LongCall:
 
 def rollout_run(tmp_path: Path, model_dir: Path, urls: list[str], num_servers: int = 1) -> RunPaths:
     """A rollout run dir; `urls` are registered by hand (no inference stage) when given."""
-    from pipeline.config import dump_config, validate_config
     from pipeline.engine.registry import write_entry
+    from pipeline.run.config import dump_config, validate_config
     from schemas.engine_api import InferenceEntry
 
     (tmp_path / "agent.py").write_text(AGENT)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import dump_config, validate_config
-from pipeline.paths import RunPaths
+from pipeline.run.config import dump_config, validate_config
+from pipeline.run.paths import RunPaths
 
 REPO = Path(__file__).resolve().parents[2]
 AGENT = '''
@@ -36,7 +36,7 @@ class OneCall:
 
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_dir: Path) -> Iterator[str]:
-    from pipeline.engine.server.hf import start_hf_server
+    from pipeline.engine.server.hf.process import start_hf_server
 
     with start_hf_server(tiny_model_dir) as handle:
         yield handle.url

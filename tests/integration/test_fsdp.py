@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.metrics import read_jsonl
-from pipeline.paths import RunPaths
-from pipeline.stage import StageContext
+from pipeline.run.paths import RunPaths
+from pipeline.run.sinks import read_jsonl
+from pipeline.run.stage import StageContext
 from pipeline.trainer.loop import run_trainer
 
 OVERRIDES = ["num_steps=2", "trainer.minibatches=2", "trainer.micro_batch_tokens=64", "trainer.optimizer.lr=0.001",

@@ -60,7 +60,7 @@ def test_the_engine_document_is_valid_openapi(engine: str) -> None:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> Iterator[str]:
-    from pipeline.engine.server.hf import start_hf_server
+    from pipeline.engine.server.hf.process import start_hf_server
 
     with start_hf_server(tiny_model_dir, max_context=64, weight_group_timeout_s=2.0) as handle:
         yield handle.url

@@ -15,14 +15,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline.config import dump_config, load_config
 from pipeline.engine.client import EngineClient
+from pipeline.engine.inference.servers import ServerDied, initial_weights, run_inference
 from pipeline.engine.registry import read_entries, urls_from_registry
-from pipeline.engine.server.launch import ServerDied, initial_weights, run_inference
 from pipeline.errors import WaitTimeout
-from pipeline.handoff import write_json_atomic, write_text_atomic
-from pipeline.paths import COMPLETE, RunPaths
-from pipeline.stage import StageContext
+from pipeline.run.config import dump_config, load_config
+from pipeline.run.handoff import write_json_atomic, write_text_atomic
+from pipeline.run.paths import COMPLETE, RunPaths
+from pipeline.run.stage import StageContext
 from schemas.config import ArlConfig
 
 

@@ -15,10 +15,10 @@ from test_publish import PROMPT, engine_logprobs, register
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.engine.server.hf import start_hf_server
-from pipeline.handoff import read_json
-from pipeline.paths import RunPaths
-from pipeline.stage import StageContext
+from pipeline.engine.server.hf.process import start_hf_server
+from pipeline.run.handoff import read_json
+from pipeline.run.paths import RunPaths
+from pipeline.run.stage import StageContext
 from pipeline.trainer.advantages import compute_advantages
 from pipeline.trainer.loop import Trainer, run_trainer
 from pipeline.trainer.losses import gather_logprobs
@@ -230,10 +230,10 @@ def test_adapter_publication_serves_each_version_as_its_own_adapter(make_train_r
     import httpx
 
     from pipeline.engine.client import EngineClient
-    from pipeline.engine.net import free_port
-    from pipeline.engine.server.launch import start_server, wait_healthy
-    from pipeline.engine.server.supervise import load_adapter, terminate
-    from pipeline.weight_version import AnnouncedAdapter
+    from pipeline.engine.inference.servers import start_server, wait_healthy
+    from pipeline.engine.inference.supervise import load_adapter, terminate
+    from pipeline.net.addresses import free_port
+    from pipeline.run.weight_version import AnnouncedAdapter
 
     paths = make_train_run(steps=[0, 1, 2], overrides=[*LORA, "num_steps=3", "trainer.lora.publish=adapter"])
     with start_hf_server(tiny_model_dir, seed=0) as server:

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import load_config
+from pipeline.run.config import load_config
 from pipeline.trainer.advantages import compute_advantages
 from pipeline.trainer.data import Sample
 from pipeline.trainer.losses import LossOutput, TokenBatch, policy_loss
@@ -221,9 +221,9 @@ def _step_samples(model_dir: Path) -> tuple[list[Sample], list[list[int]]]:
 def _arl_step(tmp_path: Path, model_dir: Path, samples: list[Sample]) -> dict[str, torch.Tensor]:
     """The weights after arl's trainer (`Trainer.plan` + `Trainer.update`, as `train_step` runs them) takes one
     step of four minibatch updates from the initial model, which is also the KL reference."""
-    from pipeline.config import dump_config
-    from pipeline.handoff import write_text_atomic
-    from pipeline.paths import RunPaths
+    from pipeline.run.config import dump_config
+    from pipeline.run.handoff import write_text_atomic
+    from pipeline.run.paths import RunPaths
     from pipeline.trainer.data import StepData
     from pipeline.trainer.loop import Trainer
     from pipeline.trainer.metrics import Timings

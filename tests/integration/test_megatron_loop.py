@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 
 pytest.importorskip("megatron.core")
 
-from pipeline.metrics import read_jsonl
-from pipeline.paths import RunPaths
-from pipeline.stage import StageContext
+from pipeline.run.paths import RunPaths
+from pipeline.run.sinks import read_jsonl
+from pipeline.run.stage import StageContext
 from pipeline.trainer.loop import run_trainer
 
 OVERRIDES = ["trainer.backend=megatron", "num_steps=3", "trainer.minibatches=2", "trainer.optimizer.lr=0.003",
@@ -37,7 +37,7 @@ def completion_logprob(model_dir: Path, rows: list[dict]) -> list[float]:
 
 @pytest.mark.slow
 def test_megatron_loop_learns_checkpoints_and_reruns_a_step_exactly(make_train_run, tiny_model_dir: Path) -> None:
-    from pipeline.shards import read_step
+    from pipeline.run.shards import read_step
 
     paths: RunPaths = make_train_run(steps=[0, 1, 2], overrides=OVERRIDES)
     assert run_trainer(StageContext.from_run_dir("train", paths.root)) == 0

@@ -45,7 +45,7 @@ def single_rank() -> Iterator[None]:
 def megatron_model(model_dir: Path) -> torch.nn.Module:
     from pipeline.trainer.megatron.model import ModelDims, RunSettings, build_model, transformer_config
     from pipeline.trainer.megatron.parallel import Topology
-    from pipeline.trainer.megatron.weights import load_hf_into
+    from pipeline.trainer.megatron.transfer import load_hf_into
 
     dims = ModelDims.from_hf(model_dir)
     model = build_model(dims, transformer_config(dims, RunSettings()), pre_process=True, post_process=True)
@@ -103,7 +103,7 @@ def test_hf_to_megatron_model_to_hf_is_bit_exact(
 
     from pipeline.trainer.megatron.model import ModelDims
     from pipeline.trainer.megatron.parallel import Topology
-    from pipeline.trainer.megatron.weights import gather_hf
+    from pipeline.trainer.megatron.transfer import gather_hf
 
     model_dir = tiny_model_dir if which == "qwen" else tiny_untied_llama
     model = megatron_model(model_dir)
@@ -128,11 +128,11 @@ def decoupled_loss(algo):  # type: ignore[no-untyped-def]
 
 def test_one_training_step_equals_the_torch_backend(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Same micro-batches, same shared loss: log-probs, loss, grad norm, every gradient and the updated weights."""
-    from pipeline.config import load_config
+    from pipeline.run.config import load_config
     from pipeline.trainer.advantages import compute_advantages
     from pipeline.trainer.data import rows_to_samples
-    from pipeline.trainer.megatron.backend import MegatronBackend
     from pipeline.trainer.megatron.convert import Shard, megatron_to_hf
+    from pipeline.trainer.megatron.megatron_backend import MegatronBackend
     from pipeline.trainer.packing import plan_step
     from pipeline.trainer.synthetic import add_behaviour_logprobs, synthetic_rows
     from pipeline.trainer.torch_backend import TorchBackend

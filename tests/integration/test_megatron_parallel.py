@@ -24,7 +24,7 @@ LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}
 
 
 def _config(model_dir: Path, root: Path, tp: int, pp: int) -> Any:
-    from pipeline.config import load_config
+    from pipeline.run.config import load_config
 
     return load_config(None, [f"fileroot={root}", "experiment_name=x", "trial_name=y", f"model.path={model_dir}",
                               "trainer.device=cpu", "trainer.optimizer.lr=0.01", "trainer.optimizer.eps=0.001",
@@ -47,7 +47,7 @@ def _plan(rows: list[dict], config: Any, rank: int, world: int) -> list:
 def _one_step(config: Any, model_dir: Path, rows: list[dict], state_dir: Path | None) -> dict[str, Any]:
     """What one rank observes: log-probs of its micro-batches, the update's stats, rank 0's new weights."""
     from pipeline.trainer.losses import policy_loss
-    from pipeline.trainer.megatron.backend import MegatronBackend
+    from pipeline.trainer.megatron.megatron_backend import MegatronBackend
 
     algo = config.trainer.algorithm
 
@@ -126,7 +126,7 @@ class _single_rank_logprobs:
     """A tp=1 megatron backend in this process whose `logprobs` is the reference for every micro-batch."""
 
     def __init__(self, model_dir: Path, config: Any) -> None:
-        from pipeline.trainer.megatron.backend import MegatronBackend
+        from pipeline.trainer.megatron.megatron_backend import MegatronBackend
 
         self.backend = MegatronBackend(config, total_updates=1)
         self.backend.load(model_dir, None)

@@ -10,9 +10,9 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from pipeline.engine.net import PeerLog, interface_address, interface_of, public_host, route_source
 from pipeline.engine.server.serve import serve_in_thread
-from pipeline.trainer.transports import group_address
+from pipeline.net.addresses import PeerLog, interface_address, interface_of, public_host, route_source
+from pipeline.trainer.publish.transports import group_address
 
 
 def test_route_source_is_the_address_a_peer_reaches_us_on() -> None:

@@ -17,7 +17,7 @@ import pytest
 from test_engine_weight_updates import PROMPT, SAMPLING, load, max_diff, other_model_dir, teacher_forced
 
 from pipeline.engine.client import EngineClient
-from pipeline.engine.server.hf import ServerHandle, start_hf_server
+from pipeline.engine.server.hf.process import ServerHandle, start_hf_server
 
 __all__ = ["other_model_dir"]  # a fixture, used by name
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from pipeline.engine.server.hf import start_hf_server
+from pipeline.engine.server.hf.process import start_hf_server
 
 TOL = 1e-5
 
@@ -43,7 +43,7 @@ def reference(tiny_model_dir: Path) -> Any:
 @pytest.fixture(scope="module")
 def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Same architecture and tokenizer as the tiny model, other weights (seed 1)."""
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.demo.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny_seed1") / "m", template="qwen", seed=1)
 
@@ -218,10 +218,10 @@ async def test_scored_prompts_never_use_the_cache(tiny_model_dir: Path, referenc
 def test_a_prefill_mixing_hits_of_different_lengths_and_misses_equals_a_cold_pass(reference: Any):
     """Rows with a cached prefix shorter than the widest have a hole in their mask; after the pass the
     holes are closed and the next decode step is exact too."""
-    from pipeline.engine.server.kvbatch import KVBatch, cache_tensors, dynamic_cache
-    from pipeline.engine.server.prefix_cache import PrefixCache, close_holes, prefill_inputs
-    from pipeline.engine.server.sampling import RowSampling
-    from pipeline.engine.server.sequences import GenRequest, Seq
+    from pipeline.engine.server.hf.kvbatch import KVBatch, cache_tensors, dynamic_cache
+    from pipeline.engine.server.hf.prefix_cache import PrefixCache, close_holes, prefill_inputs
+    from pipeline.engine.server.hf.sampling import RowSampling
+    from pipeline.engine.server.hf.sequences import GenRequest, Seq
 
     config = reference.config
     cache = PrefixCache(1 << 24)

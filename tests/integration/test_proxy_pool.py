@@ -16,7 +16,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from pipeline.stage import StageContext
+from pipeline.run.stage import StageContext
 from tests.integration.test_external_agents import CLIENT_KEY, make_run, wait_until
 
 SESSIONS = 256
@@ -24,7 +24,7 @@ SESSIONS = 256
 
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_dir: Path) -> Iterator[str]:
-    from pipeline.engine.server.hf import start_hf_server
+    from pipeline.engine.server.hf.process import start_hf_server
 
     with start_hf_server(tiny_model_dir) as handle:
         yield handle.url
@@ -53,7 +53,7 @@ async def test_256_concurrent_sessions_over_two_workers_are_each_recorded_once(
 ) -> None:
     from pipeline.client import AgentSession, resolve_proxy_urls
     from pipeline.rollout.external import run_external
-    from pipeline.shards import read_manifest, read_step
+    from pipeline.run.shards import read_manifest, read_step
 
     config, paths = make_run(tmp_path, tiny_model_dir, engine_url, max_staleness=1, batch_size=SESSIONS // 2,
                              export_style="concat")  # fmt: skip
@@ -164,7 +164,7 @@ async def test_a_dead_worker_stops_the_pool_with_its_name(pool: Any) -> None:
 
 def test_the_registry_entry_lists_every_worker(tmp_path: Path) -> None:
     from pipeline.client import resolve_proxy_url, resolve_proxy_urls
-    from pipeline.rollout.services import registry_entry
+    from pipeline.proxy.services import registry_entry
 
     registry = tmp_path / "registry" / "proxy"
     registry.mkdir(parents=True)

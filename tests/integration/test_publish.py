@@ -24,16 +24,16 @@ import torch
 from hf_process import hf_server_process  # tests/integration is on sys.path (pytest)
 
 from pipeline.engine.client import EngineClient
-from pipeline.engine.net import free_port
 from pipeline.engine.registry import write_entry
-from pipeline.engine.server.hf import ServerHandle, start_hf_server
+from pipeline.engine.server.hf.process import ServerHandle, start_hf_server
 from pipeline.errors import ArlError
-from pipeline.handoff import read_json
-from pipeline.paths import RunPaths
-from pipeline.stage import StageContext
-from pipeline.trainer import publish
+from pipeline.net.addresses import free_port
+from pipeline.run.handoff import read_json
+from pipeline.run.paths import RunPaths
+from pipeline.run.stage import StageContext
 from pipeline.trainer.loop import run_trainer
-from pipeline.trainer.publish import buckets
+from pipeline.trainer.publish.publisher import buckets
+from pipeline.trainer.publish import publisher as publish
 from schemas.engine_api import InferenceEntry
 
 OVERRIDES = ["num_steps=1", "trainer.optimizer.lr=0.01", "rollout.max_staleness=10", "trainer.wait_timeout_s=30",
@@ -223,7 +223,7 @@ def broadcast_publisher(tmp_path: Path, url: str, model: Path, monkeypatch: pyte
 def other_weights(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     from transformers import AutoModelForCausalLM
 
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.demo.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "seed1", template="qwen", seed=1)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)

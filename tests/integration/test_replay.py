@@ -10,9 +10,9 @@ import duckdb
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.paths import RunPaths
-from pipeline.shards import read_step
-from pipeline.stage import StageContext
+from pipeline.run.paths import RunPaths
+from pipeline.run.shards import read_step
+from pipeline.run.stage import StageContext
 from pipeline.trainer.loop import run_trainer
 
 FAST = ["trainer.optimizer.lr=0.003", "trainer.wait_timeout_s=5", "rollout.max_staleness=10", "num_steps=1"]

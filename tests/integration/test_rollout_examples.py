@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import dump_config, load_config
-from pipeline.paths import RunPaths
-from pipeline.stage import StageContext
+from pipeline.run.config import dump_config, load_config
+from pipeline.run.paths import RunPaths
+from pipeline.run.stage import StageContext
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ def test_example_configs_parse(name: str) -> None:
 
 
 def test_calculator_is_safe_and_right() -> None:
-    from pipeline.rollout.agents import load_object
+    from pipeline.agents.loading import load_object
 
     calculate = load_object(f"{REPO / 'examples/agents/tool_agent.py'}:calculate")
     assert calculate("(12 + 3) * 4") == "60" and calculate("7 / 2") == "3.5"
@@ -34,9 +34,9 @@ def test_calculator_is_safe_and_right() -> None:
 
 async def test_tool_agent_example_step(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from pipeline.engine.registry import write_entry
-    from pipeline.engine.server.hf import start_hf_server
+    from pipeline.engine.server.hf.process import start_hf_server
     from pipeline.rollout.loop import run_rollout
-    from pipeline.shards import read_step
+    from pipeline.run.shards import read_step
     from schemas.engine_api import InferenceEntry
     from schemas.trajectory import validate_table
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from pipeline.config import dump_config, validate_config
-from pipeline.handoff import write_json_atomic
-from pipeline.metrics import read_jsonl
-from pipeline.paths import RunPaths
-from pipeline.stage import StageContext
+from pipeline.run.config import dump_config, validate_config
+from pipeline.run.handoff import write_json_atomic
+from pipeline.run.paths import RunPaths
+from pipeline.run.sinks import read_jsonl
+from pipeline.run.stage import StageContext
 from schemas.config import ArlConfig
 from schemas.trajectory import validate_table
 
@@ -100,7 +100,7 @@ class SlowAgent:
 
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_dir: Path) -> Iterator[str]:
-    from pipeline.engine.server.hf import start_hf_server
+    from pipeline.engine.server.hf.process import start_hf_server
 
     with start_hf_server(tiny_model_dir) as handle:
         yield handle.url
@@ -137,7 +137,7 @@ def make_run(tmp_path: Path, model_dir: Path, engine_url: str, agent: str,
 
 
 def read_rows(paths: RunPaths, step: int) -> list[dict[str, Any]]:
-    from pipeline.shards import read_step
+    from pipeline.run.shards import read_step
 
     table = read_step(paths, step)
     validate_table(table, where=f"step {step}")
@@ -263,7 +263,7 @@ async def test_staleness_gate_blocks_until_the_version_arrives(tmp_path: Path, t
     """Step 1 with max_staleness 0 needs version 1 from both the trainer's file and the engines."""
     import httpx
 
-    from pipeline.engine.server.hf import start_hf_server
+    from pipeline.engine.server.hf.process import start_hf_server
     from pipeline.rollout.loop import run_rollout
 
     with start_hf_server(tiny_model_dir) as server:

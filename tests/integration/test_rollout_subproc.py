@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.agents.loading import resolve_agent
+from pipeline.agents.runner import RunContext, SubprocExecutor
 from pipeline.proxy.control import SessionInfo
-from pipeline.rollout.agents import resolve_agent
-from pipeline.rollout.runner import RunContext, SubprocExecutor
 
 AGENTS = '''
 import os, time
@@ -55,7 +55,7 @@ async def test_subproc_env_errors_and_timeouts(tmp_path: Path) -> None:
 async def test_worker_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
     import pytest
 
-    from pipeline.outcome import AgentError
+    from pipeline.agents.outcome import AgentError
 
     path = tmp_path / "worker_hostile.py"
     path.write_text("import multiprocessing\n"

@@ -80,7 +80,7 @@ async def test_openai_streaming_records_the_same_tokens(proxy: Any) -> None:
 async def test_the_in_process_client_streams_and_records_like_tcp(proxy: Any) -> None:
     """The `http_client` inline agents get (requests handed to the proxy's app in process) against the same
     proxy over TCP: the same chunks, the same recorded tokens, and other URLs still go over the network."""
-    from pipeline.rollout.services import agent_http_client
+    from pipeline.proxy.services import agent_http_client
 
     ask = {"model": "m", "messages": [{"role": "user", "content": "1 + 2?"}], "tools": TOOLS, "tool_choice": NAMED,
            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip

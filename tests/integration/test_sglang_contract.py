@@ -30,13 +30,13 @@ import httpx
 import pytest
 import torch
 
-from pipeline.config import load_config
 from pipeline.engine.client import EngineClient, EngineError
 from pipeline.engine.client.coalesce import BatchPolicy
-from pipeline.engine.net import free_port
-from pipeline.engine.server.procs import LORA_ADAPTERS, REPO_ROOT, sglang_command
+from pipeline.engine.inference.procs import LORA_ADAPTERS, REPO_ROOT, sglang_command
 from pipeline.engine.server.requests import Limits, expand
 from pipeline.engine.weight_group import broadcast_from_trainer, destroy_weight_group, init_weight_group
+from pipeline.net.addresses import free_port
+from pipeline.run.config import load_config
 from schemas.config import LoraConfig
 from schemas.engine_api import (
     GenerateReqInput,
@@ -618,8 +618,8 @@ def test_publisher_follows_sglangs_protocol(tiny_model_dir: Path, tmp_path: Path
     """arl's real publisher, end to end: retract-pause, begin, buckets (version and flush with the last only), end,
     continue; the tensors SGLang received are the state dict; /model_info reports the version."""
     from pipeline.engine.registry import write_entry
-    from pipeline.paths import RunPaths
-    from pipeline.trainer import publish
+    from pipeline.run.paths import RunPaths
+    from pipeline.trainer.publish import publisher as publish
     from schemas.engine_api import InferenceEntry
 
     monkeypatch.setattr(publish, "BUCKET_BYTES", 64)  # several buckets from a small state dict
@@ -673,8 +673,8 @@ def test_publisher_update_modes_on_sglang(tiny_model_dir: Path, tmp_path: Path, 
     (`in_place` here, which SGLang accepts); `wait` sends no pause at all (SGLang has no `wait` mode: its own
     model-update lock makes the disk load wait for the requests in flight) and the load still happens."""
     from pipeline.engine.registry import write_entry
-    from pipeline.paths import RunPaths
-    from pipeline.trainer import publish
+    from pipeline.run.paths import RunPaths
+    from pipeline.trainer.publish import publisher as publish
     from schemas.engine_api import InferenceEntry
 
     judge = publish_judge
@@ -711,9 +711,9 @@ def test_adapter_publisher_follows_sglangs_lora_protocol(tiny_model_dir: Path, t
     from test_engine_lora import make_adapter  # tests/integration is on sys.path
 
     from pipeline.engine.registry import write_entry
-    from pipeline.paths import RunPaths
-    from pipeline.trainer import publish
+    from pipeline.run.paths import RunPaths
     from pipeline.trainer.lora import merged_from_files
+    from pipeline.trainer.publish import publisher as publish
     from schemas.engine_api import InferenceEntry, lora_adapter_name
 
     judge = publish_judge

@@ -4,7 +4,7 @@
 stand-in model is the real tiny checkpoint run with transformers (`sglang_judge_model.py`), so a prompt's
 `input_token_logprobs` are the served weights' own, laid out by SGLang's code, and `/get_weights_by_name`
 answers what SGLang answers for the checkpoint's model class. arl's own `EngineClient`, publisher and
-`Verifier` (pipeline/trainer/verify.py) talk to it over loopback HTTP.
+`Verifier` (pipeline/trainer/publish/verify.py) talk to it over loopback HTTP.
 
 One judge for the module, started with `--corrupt`: once version `CORRUPT_VERSION` is loaded it adds 1.0 to
 one MLP weight (a server whose weights went wrong after a publication). Every test that reads log-probabilities
@@ -29,8 +29,8 @@ from safetensors.torch import load_file
 from test_sglang_contract import SGLANG_PYTHON, Judge, arl_sglang_config, client, launch_argv, start_judge
 
 from pipeline.engine.client import EngineClient, EngineError
-from pipeline.engine.net import free_port
-from pipeline.trainer.verify import UNSUPPORTED, Verifier, probe_ids
+from pipeline.net.addresses import free_port
+from pipeline.trainer.publish.verify import UNSUPPORTED, Verifier, probe_ids
 
 CORRUPT_VERSION = 900
 CORRUPTED = "model.layers.0.mlp.down_proj.weight"
@@ -56,7 +56,7 @@ def judge(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 @pytest.fixture(scope="module")
 def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with other weights (another seed): what a publication changes the served model to."""
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.demo.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen_seed7"), template="qwen", seed=7)
 
@@ -66,8 +66,8 @@ def publisher(judge: Judge, tiny_model_dir: Path, tmp_path_factory: pytest.TempP
     """arl's broadcast publisher (tied embeddings, as the tiny model) with the judge as its one server; it verifies
     every swap (fp32) as the trainer's does."""
     from pipeline.engine.registry import write_entry
-    from pipeline.paths import RunPaths
-    from pipeline.trainer import publish
+    from pipeline.run.paths import RunPaths
+    from pipeline.trainer.publish import publisher as publish
     from schemas.engine_api import InferenceEntry
 
     paths = RunPaths.from_config(str(tmp_path_factory.mktemp("verify_run")), "verify", "publish")

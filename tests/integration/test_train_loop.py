@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from pipeline.errors import SchemaError, WaitTimeout
-from pipeline.handoff import read_json
-from pipeline.metrics import read_jsonl
-from pipeline.paths import RunPaths
-from pipeline.shards import read_step
-from pipeline.stage import StageContext
+from pipeline.run.handoff import read_json
+from pipeline.run.paths import RunPaths
+from pipeline.run.shards import read_step
+from pipeline.run.sinks import read_jsonl
+from pipeline.run.stage import StageContext
 from pipeline.trainer.loop import run_trainer
 
 FAST = ["trainer.optimizer.lr=0.003", "trainer.wait_timeout_s=5", "rollout.max_staleness=10"]

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.metrics import read_jsonl
-from pipeline.paths import RunPaths
+from pipeline.run.paths import RunPaths
+from pipeline.run.sinks import read_jsonl
 from pipeline.trainer import checkpoint as ckpt
 
 OVERRIDES = ["num_steps=4", "trainer.deterministic=true", "trainer.keep_checkpoints=10", "trainer.minibatches=2",
@@ -120,7 +120,7 @@ def test_resume_point_needs_checkpoint_and_state(tmp_path: Path) -> None:
 
 def test_rerun_of_a_pruned_version_explains_itself(make_train_run) -> None:
     from pipeline.errors import ArlError
-    from pipeline.stage import StageContext
+    from pipeline.run.stage import StageContext
     from pipeline.trainer.loop import run_trainer
 
     paths = make_train_run(steps=[0], overrides=["num_steps=3"])

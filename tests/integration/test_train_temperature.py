@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import load_config
-from pipeline.engine.server.hf import start_hf_server
+from pipeline.engine.server.hf.process import start_hf_server
+from pipeline.run.config import load_config
 from pipeline.trainer.data import Sample
 from pipeline.trainer.packing import build_micro_batch
 from pipeline.trainer.torch_backend import TorchBackend

@@ -19,9 +19,9 @@ import torch
 from vllm_process import vllm_server  # tests/integration is on sys.path (pytest)
 
 from pipeline.engine.client import EngineClient, EngineError
-from pipeline.engine.net import free_port
-from pipeline.engine.server.procs import vllm_venv_python
+from pipeline.engine.inference.procs import vllm_venv_python
 from pipeline.engine.weight_group import broadcast_from_trainer, destroy_weight_group, dtype_name, init_weight_group
+from pipeline.net.addresses import free_port
 
 pytestmark = [
     pytest.mark.vllm,
@@ -31,7 +31,7 @@ pytestmark = [
 TOL = 2e-3  # vLLM's CPU kernels (fused qkv, its own attention) vs transformers' eager path, fp32
 # Input logprobs served in fp32 vs a transformers fp32 forward: measured up to 9.5e-7 (4 seeds, 32- and
 # 200-token probes: the same weights through oneDNN's GEMMs and vLLM's CPU attention instead of torch's
-# eager ops). 1e-5 leaves 10x room; a wrong weight moves them by tenths (pipeline/trainer/verify.py).
+# eager ops). 1e-5 leaves 10x room; a wrong weight moves them by tenths (pipeline/trainer/publish/verify.py).
 PROMPT_TOL = 1e-5
 
 
@@ -121,7 +121,7 @@ PROBE = [(7 * i + 3) % 500 for i in range(32)]
 async def test_input_logprobs_equal_a_transformers_forward(vllm_url: str, tmp_path: Path):
     """SGLang's `input_token_logprobs` from vLLM's prompt logprobs: raw (no temperature), first scored
     position null, from `logprob_start_len` on; top logprobs, streaming and scoring-only alike."""
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.demo.tiny_model import make_tiny_model
 
     other = make_tiny_model(tmp_path / "seed4", seed=4)  # swapped in first: what is scored is what serves now
     async with EngineClient([vllm_url]) as client:
@@ -163,10 +163,10 @@ async def test_weights_by_name_are_the_served_checkpoint(vllm_url: str, tmp_path
     embedding; an unknown name is a 400 naming it; tp_size > 1 is refused rather than answering a shard."""
     from safetensors.torch import load_file
 
+    from pipeline.demo.tiny_model import make_tiny_model
     from pipeline.engine.server.requests import RequestError
-    from pipeline.engine.server.vllm_adapter import AdapterConfig, VLLMAdapter
-    from pipeline.tiny_model import make_tiny_model
-    from pipeline.trainer.verify import UNSUPPORTED
+    from pipeline.engine.server.vllm.adapter import AdapterConfig, VLLMAdapter
+    from pipeline.trainer.publish.verify import UNSUPPORTED
 
     other = make_tiny_model(tmp_path / "seed5", seed=5)
     checkpoint = load_file(str(other / "model.safetensors"))
@@ -189,7 +189,7 @@ async def test_weights_by_name_are_the_served_checkpoint(vllm_url: str, tmp_path
 
 
 async def test_update_from_disk(vllm_url: str, tmp_path: Path):
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.demo.tiny_model import make_tiny_model
 
     other = make_tiny_model(tmp_path / "seed1", seed=1)
     new = load(other)
@@ -202,7 +202,7 @@ async def test_update_from_disk(vllm_url: str, tmp_path: Path):
 
 
 async def test_update_from_distributed_over_gloo(vllm_url: str, tmp_path: Path):
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.demo.tiny_model import make_tiny_model
 
     new = load(make_tiny_model(tmp_path / "seed2", seed=2))
     named = [(n, p.detach().contiguous()) for n, p in new.named_parameters()]
@@ -258,11 +258,11 @@ def test_broadcast_publisher_in_buckets(vllm_url: str, tiny_model_dir: Path, tmp
     """arl's publisher against the adapter, in several buckets (pause, begin, buckets, end, verify, continue):
     the version moves only after the last bucket, the trainer's verification passes on the probe and on the
     weights read back, the new weights serve, and the adapter ends unpaused."""
+    from pipeline.demo.tiny_model import make_tiny_model
     from pipeline.engine.registry import write_entry
-    from pipeline.paths import RunPaths
-    from pipeline.tiny_model import make_tiny_model
-    from pipeline.trainer import publish
+    from pipeline.run.paths import RunPaths
     from pipeline.trainer.checkpoint import buckets
+    from pipeline.trainer.publish import publisher as publish
     from schemas.engine_api import InferenceEntry
 
     new = load(make_tiny_model(tmp_path / "seed3", seed=3))

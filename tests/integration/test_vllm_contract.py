@@ -30,8 +30,7 @@ import pytest
 from packaging.requirements import Requirement
 from vllm_process import with_lora  # tests/integration is on sys.path (pytest)
 
-from pipeline.config import load_config
-from pipeline.engine.server.procs import (
+from pipeline.engine.inference.procs import (
     LORA_ADAPTERS,
     REPO_ROOT,
     VLLM_LORA_RANKS,
@@ -42,15 +41,16 @@ from pipeline.engine.server.procs import (
     vllm_venv_python,
 )
 from pipeline.engine.server.requests import expand, stop_token_ids
-from pipeline.engine.server.vllm_adapter import AdapterConfig, VLLMAdapter
-from pipeline.engine.server.vllm_wire import completion_body
+from pipeline.engine.server.vllm.adapter import AdapterConfig, VLLMAdapter
+from pipeline.engine.server.vllm.wire import completion_body
+from pipeline.run.config import load_config
 from schemas.config import LoraConfig
 from schemas.engine_api import GenerateReqInput
 
 VLLM_PYTHON = vllm_venv_python()
 JUDGE = Path(__file__).with_name("vllm_judge.py")
 ADAPTER_SOURCES = [
-    REPO_ROOT / "pipeline" / "engine" / "server" / f"{name}.py" for name in ("vllm_adapter", "vllm_gate", "vllm_lora")
+    REPO_ROOT / "pipeline" / "engine" / "server" / "vllm" / f"{name}.py" for name in ("adapter", "gate", "lora_adapters")
 ]
 SERVED = "arl-policy"
 MAX_CONTEXT = 512

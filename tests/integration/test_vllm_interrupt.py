@@ -25,9 +25,9 @@ from test_engine_weight_updates import load, teacher_forced  # tests/integration
 from vllm_process import VLLMServer, vllm_server
 
 from pipeline.engine.client import EngineClient
-from pipeline.engine.net import free_port
-from pipeline.engine.server.procs import vllm_venv_python
+from pipeline.engine.inference.procs import vllm_venv_python
 from pipeline.engine.weight_group import broadcast_from_trainer, destroy_weight_group, dtype_name, init_weight_group
+from pipeline.net.addresses import free_port
 
 pytestmark = [
     pytest.mark.vllm,
@@ -51,7 +51,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 @pytest.fixture(scope="module")
 def other_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     """Same architecture and tokenizer as the tiny model, other weights: versions 1 and 2."""
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.demo.tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("vllm_versions")
     return {v: make_tiny_model(root / f"seed{v}", template="qwen", seed=v) for v in (1, 2)}

@@ -30,7 +30,7 @@ from test_engine_lora import (  # tests/integration: sys.path
 )
 from vllm_process import vllm_server
 
-from pipeline.engine.server.procs import vllm_venv_python
+from pipeline.engine.inference.procs import vllm_venv_python
 from schemas.config import LoraConfig
 
 pytestmark = [

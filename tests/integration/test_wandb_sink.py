@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from wandb_offline import isolate_wandb, offline_runs, read_offline_run  # tests/integration is on sys.path (pytest)
 
-from pipeline.config import dump_config, load_config
-from pipeline.handoff import write_text_atomic
-from pipeline.metrics import read_jsonl
-from pipeline.paths import RunPaths
-from pipeline.stage import StageContext
+from pipeline.run.config import dump_config, load_config
+from pipeline.run.handoff import write_text_atomic
+from pipeline.run.paths import RunPaths
+from pipeline.run.sinks import read_jsonl
+from pipeline.run.stage import StageContext
 from pipeline.trainer.metrics import open_sinks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -125,7 +125,7 @@ def test_without_metrics_wandb_wandb_is_never_imported(tmp_path: Path) -> None:
     code = f"""
 import sys
 from pipeline.rollout.loop import open_sink
-from pipeline.stage import open_stage
+from pipeline.run.stage import open_stage
 from pipeline.trainer.metrics import open_sinks
 import pipeline.trainer.loop, pipeline.rollout.external, stages.train, stages.rollout, stages.proxy
 ctx = open_stage("train", {str(paths.root)!r})

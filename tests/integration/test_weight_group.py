@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.engine.net import free_port
 from pipeline.engine.weight_group import broadcast_from_trainer, destroy_weight_group, init_weight_group
+from pipeline.net.addresses import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 RECEIVER = """

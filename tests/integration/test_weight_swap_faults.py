@@ -30,9 +30,9 @@ from test_inference_stage import StageThread, make_run, wait_for  # this directo
 
 from pipeline.engine.registry import read_entries, urls_from_registry
 from pipeline.errors import ArlError
-from pipeline.paths import RunPaths
-from pipeline.trainer import publish
-from pipeline.trainer.verify import ProbeModel
+from pipeline.run.paths import RunPaths
+from pipeline.trainer.publish import publisher as publish
+from pipeline.trainer.publish.verify import ProbeModel
 from schemas.config import ArlConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,7 +115,7 @@ class Stack:
 
 @pytest.fixture
 def stack(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stack]:
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.demo.tiny_model import make_tiny_model
 
     corrupt = tmp_path / "corrupt.json"
     monkeypatch.setenv("ARL_TEST_CORRUPT_WEIGHTS", str(corrupt))  # inert until the test writes the file
@@ -192,8 +192,8 @@ TRAINER = """
 import os, signal, sys, json
 from pathlib import Path
 import torch
-from pipeline.paths import RunPaths
-from pipeline.trainer import publish
+from pipeline.run.paths import RunPaths
+from pipeline.trainer.publish import publisher as publish
 from safetensors.torch import load_file
 publish.BUCKET_BYTES = 64 * 1024
 root, model, new = sys.argv[1:4]

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 
-from pipeline.config import load_config
-from pipeline.engine.net import free_port
-from pipeline.engine.server.procs import ProcSpec, vllm_procs, vllm_venv_python
+from pipeline.engine.inference.procs import ProcSpec, vllm_procs, vllm_venv_python
+from pipeline.net.addresses import free_port
+from pipeline.run.config import load_config
 from schemas.config import ArlConfig, LoraConfig
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline.outcome import AgentError, AgentReturnError, interpret_result
+from pipeline.agents.loading import load_object, resolve_agent
+from pipeline.agents.outcome import AgentError, AgentReturnError, interpret_result
+from pipeline.agents.runner import InlineExecutor, RunContext, check_picklable
 from pipeline.proxy.control import SessionInfo
-from pipeline.rollout.agents import load_object, resolve_agent
-from pipeline.rollout.runner import InlineExecutor, RunContext, check_picklable
 
 AGENTS = textwrap.dedent(
     """
@@ -76,7 +76,7 @@ def agent_file(tmp_path: Path) -> Path:
 def test_file_and_module_specs_load(agent_file: Path) -> None:
     cls = load_object(f"{agent_file}:AsyncAgent")
     assert cls.__name__ == "AsyncAgent"
-    assert load_object("pipeline.outcome:interpret_result") is interpret_result
+    assert load_object("pipeline.agents.outcome:interpret_result") is interpret_result
 
 
 @pytest.mark.parametrize(

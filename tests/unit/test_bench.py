@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.bench import write_results
+from pipeline.analysis.bench import write_results
 
 
 def _result(name: str, **extra: object) -> dict:
@@ -50,6 +50,6 @@ def test_each_section_names_the_machine_of_its_own_run(tmp_path: Path) -> None:
 
 
 def test_small_figures_keep_their_digits() -> None:
-    from pipeline.bench import _fmt
+    from pipeline.analysis.bench import _fmt
 
     assert _fmt(9.5e-7) == "9.5e-07" and _fmt(0.0) == "0.000" and _fmt(0.25) == "0.250" and _fmt(1234.5) == "1,234"

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import config_from_run_dir, dump_config, load_config, validate_config
 from pipeline.errors import ConfigError
-from pipeline.paths import RunPaths
+from pipeline.run.config import config_from_run_dir, dump_config, load_config, validate_config
+from pipeline.run.paths import RunPaths
 from schemas.config import ArlConfig
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.rollout.data import DataError, Schedule, check_cursor, load_rows, write_cursor
+from pipeline.agents.dataset import DataError, Schedule, check_cursor, load_rows, write_cursor
 from schemas.config import DatasetConfig
 
 

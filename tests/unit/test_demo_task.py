@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.demo import DEMO_DATA, DEMO_FORMAT
+from pipeline.agents.loading import load_object
+from pipeline.demo.demo_run import DEMO_DATA, DEMO_FORMAT
+from pipeline.demo.tiny_model import make_tiny_model
+from pipeline.demo.warm_start import load_corpus, read_record, warm_start
 from pipeline.errors import ArlError
-from pipeline.rollout.agents import load_object
-from pipeline.tiny_model import make_tiny_model
-from pipeline.warm_start import load_corpus, read_record, warm_start
 
 AGENT_FILE = Path(__file__).resolve().parents[2] / "examples" / "demo_agent.py"
 

@@ -1,11 +1,11 @@
-"""`arl diff`'s divergence rule on synthetic curves whose answer is known (pipeline/divergence.py)."""
+"""`arl diff`'s divergence rule on synthetic curves whose answer is known (pipeline/analysis/divergence.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pipeline.divergence import NoiseRule, first_divergence, step_noise
+from pipeline.analysis.divergence import NoiseRule, first_divergence, step_noise
 
 STEPS = np.arange(150)
 TREND = 0.8 * (1 - np.exp(-STEPS / 40))

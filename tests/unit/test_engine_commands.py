@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from pipeline.config import load_config
-from pipeline.engine.server.procs import server_procs, vllm_lora_rank
+from pipeline.engine.inference.procs import server_procs, vllm_lora_rank
+from pipeline.run.config import load_config
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -50,7 +50,7 @@ def test_hf_command_from_config():
     config = load_config(None, ["inference.device=cpu", "inference.max_batch_size=8", "model.max_context=512"])
     (proc,) = server_procs(config, host="127.0.0.1", port=4000, model_path="/m", version=2)
     argv = proc.argv
-    assert argv[:3] == [sys.executable, "-m", "pipeline.engine.server.hf"]
+    assert argv[:3] == [sys.executable, "-m", "pipeline.engine.server.hf.process"]
     assert flag(argv, "--device") == "cpu" and flag(argv, "--max-batch-size") == "8"
     assert flag(argv, "--max-context") == "512" and flag(argv, "--weight-version") == "2"
     assert "PYTHONPATH" in proc.env
@@ -73,9 +73,9 @@ def test_vllm_server_and_adapter_commands():
     assert flag(argv, "--model") == "/ckpt" and flag(argv, "--host") == "127.0.0.1"  # only the adapter is public
     assert flag(argv, "--tensor-parallel-size") == "2" and flag(argv, "--max-model-len") == "4096"
     assert "--return-tokens-as-token-ids" in argv and flag(argv, "--logprobs-mode") == "processed_logprobs"
-    assert flag(argv, "--worker-extension-cls") == "pipeline.engine.server.vllm_worker_ext.ArlWorkerExtension"
+    assert flag(argv, "--worker-extension-cls") == "pipeline.engine.server.vllm.worker_ext.ArlWorkerExtension"
     assert argv[-1] == "--enforce-eager" and server.env["VLLM_SERVER_DEV_MODE"] == "1"
-    assert adapter.argv[:3] == [sys.executable, "-m", "pipeline.engine.server.vllm_adapter"]
+    assert adapter.argv[:3] == [sys.executable, "-m", "pipeline.engine.server.vllm.adapter"]
     assert flag(adapter.argv, "--port") == "30002" and flag(adapter.argv, "--host") == "0.0.0.0"
     assert flag(adapter.argv, "--upstream") == server.health_url == f"http://127.0.0.1:{flag(argv, '--port')}"
     assert flag(adapter.argv, "--weight-version") == "7" and flag(adapter.argv, "--tp-size") == "2"

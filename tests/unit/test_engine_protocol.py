@@ -13,7 +13,7 @@ from pipeline.engine.client.wire import (
     parse_weight_version,
     result_from,
 )
-from pipeline.engine.server.kvbatch import KVBatch
+from pipeline.engine.server.hf.kvbatch import KVBatch
 from pipeline.engine.server.requests import (
     Limits,
     RequestError,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.engine.server.sampling import RowSampling, sample_batch, sample_next
+from pipeline.engine.server.hf.sampling import RowSampling, sample_batch, sample_next
 
 
 def logits_batch(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import validate_config
 from pipeline.errors import ConfigError
-from pipeline.eval.metrics import RunResult, pass_at_k, summarize
+from pipeline.eval.scores import RunResult, pass_at_k, summarize
+from pipeline.run.config import validate_config
 from schemas.config import EvalSetConfig
 
 
@@ -65,7 +65,7 @@ def test_eval_sets_check_k_and_names_and_default_to_greedy_for_one_sample() -> N
 
 def test_the_newest_line_of_each_version_and_set_wins_and_a_cut_line_is_skipped(tmp_path: Path) -> None:
     from pipeline.eval.results import evaluation_lines, latest_evaluations
-    from pipeline.paths import RunPaths
+    from pipeline.run.paths import RunPaths
 
     paths = RunPaths(tmp_path)
     paths.eval_metrics.parent.mkdir(parents=True)

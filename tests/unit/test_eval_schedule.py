@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from pipeline.config import validate_config
 from pipeline.errors import ConfigError
 from pipeline.eval.hold import evaluated, hold_for_evaluation
 from pipeline.eval.results import is_recorded, latest_evaluations, record, restore_lines
 from pipeline.eval.runner import SetResult
-from pipeline.paths import RunPaths
 from pipeline.rollout.loop import run_concurrency
+from pipeline.run.config import validate_config
+from pipeline.run.paths import RunPaths
 from schemas.config import ArlConfig, EvalConfig, EvalSetConfig
 
 SET = {"name": "held", "path": "held.jsonl"}

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import WaitTimeout
-from pipeline.handoff import (
+from pipeline.run.handoff import (
     clean_stale_tmp,
     publish_dir,
     read_json,
@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 _WRITER = textwrap.dedent(
     """
     import sys
-    from pipeline.handoff import write_json_atomic
+    from pipeline.run.handoff import write_json_atomic
     target = sys.argv[1]
     n = 0
     while True:

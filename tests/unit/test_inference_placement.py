@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.config import load_config
-from pipeline.engine.server.placement import gpu_env, node_rank, server_indices
+from pipeline.engine.inference.placement import gpu_env, node_rank, server_indices
+from pipeline.run.config import load_config
 
 
 @pytest.fixture(autouse=True)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.launch.jobs import JobRecord, add_record, next_attempt, read_jobs, record_this_slurm_job
-from pipeline.paths import RunPaths
+from pipeline.run.jobs import JobRecord, add_record, next_attempt, read_jobs, record_this_slurm_job
+from pipeline.run.paths import RunPaths
 
 SLURM_ENV = ("SLURM_JOB_ID", "ARL_ATTEMPT", "ARL_EXECUTOR", "RANK", "SLURM_NODEID", "SLURM_PROCID")
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import load_config
 from pipeline.errors import ConfigError
 from pipeline.launch.plan import plan_run, plan_stage, sbatch_directives, sbatch_script_path, stages_for
 from pipeline.launch.sbatch import render_sbatch
-from pipeline.paths import RunPaths
+from pipeline.run.config import load_config
+from pipeline.run.paths import RunPaths
 from schemas.config import StageResources
 
 FULL = [

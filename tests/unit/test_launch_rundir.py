@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import load_config
 from pipeline.errors import ArlError
-from pipeline.launch.jobs import JobRecord, add_record, latest, next_attempt, read_jobs, update_record
 from pipeline.launch.launcher import launch
 from pipeline.launch.rundir import differences, prepare_run_dir, resumable
-from pipeline.launch.state import local_state
-from pipeline.paths import RunPaths
+from pipeline.run.config import load_config
+from pipeline.run.job_state import local_state
+from pipeline.run.jobs import JobRecord, add_record, latest, next_attempt, read_jobs, update_record
+from pipeline.run.paths import RunPaths
 
 
 def _config(tmp_path: Path, **extra: object) -> Path:

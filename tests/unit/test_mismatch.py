@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import load_config
 from pipeline.errors import ConfigError
+from pipeline.run.config import load_config
 from pipeline.trainer.backend import MinibatchStats
 from pipeline.trainer.data import Sample
 from pipeline.trainer.losses import TokenBatch, behaviour_weight, policy_loss

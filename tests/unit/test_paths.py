@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.paths import COMPLETE, MANIFEST, RunPaths, parse_step_name, step_name
+from pipeline.run.paths import COMPLETE, MANIFEST, RunPaths, parse_step_name, step_name
 
 
 def test_step_names_are_zero_padded_and_parse_back() -> None:

@@ -8,10 +8,10 @@ import random
 
 import torch
 
-from pipeline.engine.server.kvbatch import KVBatch
-from pipeline.engine.server.prefix_cache import PrefixCache, close_holes, kv_bytes, prefill_inputs
-from pipeline.engine.server.sampling import RowSampling
-from pipeline.engine.server.sequences import GenRequest, Seq
+from pipeline.engine.server.hf.kvbatch import KVBatch
+from pipeline.engine.server.hf.prefix_cache import PrefixCache, close_holes, kv_bytes, prefill_inputs
+from pipeline.engine.server.hf.sampling import RowSampling
+from pipeline.engine.server.hf.sequences import GenRequest, Seq
 
 LAYERS, HEADS, DIM = 2, 2, 4
 TOKEN_BYTES = LAYERS * 2 * HEADS * DIM * 4  # fp32 keys and values of one token

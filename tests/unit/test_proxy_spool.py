@@ -13,13 +13,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline.config import validate_config
-from pipeline.paths import RunPaths
 from pipeline.rollout.external import count_session, publish_external_step
 from pipeline.rollout.loop import missing_steps
-from pipeline.rollout.metrics import StepTally
 from pipeline.rollout.spool import CONSUMED_KEY, Spool, SpooledSession
-from pipeline.shards import read_manifest, read_step
+from pipeline.rollout.stats import StepTally
+from pipeline.run.config import validate_config
+from pipeline.run.paths import RunPaths
+from pipeline.run.shards import read_manifest, read_step
 from pipeline.trainer.synthetic import synthetic_rows
 from schemas.trajectory import rows_from_dicts
 

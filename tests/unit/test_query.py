@@ -23,13 +23,13 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
+from pipeline.analysis.query import connect
+from pipeline.analysis.query.output import emit
 from pipeline.cli import app
 from pipeline.errors import ArlError
-from pipeline.metrics import JsonlSink
-from pipeline.paths import MANIFEST, RunPaths
-from pipeline.query import connect
-from pipeline.query.output import emit
-from pipeline.shards import read_step, write_step
+from pipeline.run.paths import MANIFEST, RunPaths
+from pipeline.run.shards import read_step, write_step
+from pipeline.run.sinks import JsonlSink
 from schemas.trajectory import SCHEMA, rows_from_dicts
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "inspect.md"

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import psutil
 
+from pipeline.engine.inference.orphans import retire_orphans
 from pipeline.engine.registry import read_entries, retired_since, write_entry
-from pipeline.engine.server.orphans import retire_orphans
-from pipeline.launch.jobs import JobRecord, add_record
-from pipeline.paths import RunPaths
+from pipeline.run.jobs import JobRecord, add_record
+from pipeline.run.paths import RunPaths
 from schemas.engine_api import InferenceEntry
 
 

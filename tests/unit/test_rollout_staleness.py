@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import WaitTimeout
-from pipeline.handoff import write_json_atomic
-from pipeline.paths import RunPaths
-from pipeline.rollout.metrics import StepTally, drop_constant_groups
 from pipeline.rollout.staleness import (
     required_version,
     split_stale,
     staleness_histogram,
     wait_for_version,
 )
-from pipeline.weight_version import published_version
+from pipeline.rollout.stats import StepTally, drop_constant_groups
+from pipeline.run.handoff import write_json_atomic
+from pipeline.run.paths import RunPaths
+from pipeline.run.weight_version import published_version
 from schemas.trajectory import TrajectoryRow
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from pipeline.console import people_console
-from pipeline.paths import RunPaths
-from pipeline.run_progress import COLUMNS, StepFeed, StepRecord, step_line, step_table
+from pipeline.run.console import people_console
+from pipeline.run.paths import RunPaths
+from pipeline.run.progress import COLUMNS, StepFeed, StepRecord, step_line, step_table
 
 ROLLOUT = {"reward_mean": 0.2125, "reward_std": 0.1, "sample_len_mean": 41.25, "sampled_tokens": 40, "samples": 8}
 TRAIN = {"tokens_per_s": 1234.5, "staleness_mean": 0.5, "loss": -0.01234, "version": 4}

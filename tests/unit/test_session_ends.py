@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import validate_config
 from pipeline.errors import ArlError
-from pipeline.paths import RunPaths
 from pipeline.proxy.control import ProxyAPIError
 from pipeline.proxy.errors import ApiError
 from pipeline.proxy.local import LocalControl
 from pipeline.proxy.sessions import SessionEnd, SessionStore
 from pipeline.rollout.external import SpoolSubscriber
 from pipeline.rollout.spool import Spool
+from pipeline.run.config import validate_config
+from pipeline.run.paths import RunPaths
 from schemas.config import ProxyConfig
 
 

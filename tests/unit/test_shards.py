@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.errors import SchemaError
-from pipeline.paths import MANIFEST, RunPaths
-from pipeline.shards import (
+from pipeline.run.paths import MANIFEST, RunPaths
+from pipeline.run.shards import (
     StepNotFound,
     list_complete_steps,
     read_manifest,
@@ -270,8 +270,8 @@ _WRITER = textwrap.dedent(
     import sys
     sys.path.insert(0, {tests!r})
     from pathlib import Path
-    from pipeline.paths import RunPaths
-    from pipeline.shards import write_step
+    from pipeline.run.paths import RunPaths
+    from pipeline.run.shards import write_step
     from unit.test_shards import make_rows
     rows = make_rows({rows}, step=0, prompt=200, sampled=200, seed={seed})
     print("ready", flush=True)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import dump_config, load_config
 from pipeline.errors import ConfigError
-from pipeline.paths import RunPaths
-from pipeline.stage import StageContext, open_stage, stage_log_file
+from pipeline.run.config import dump_config, load_config
+from pipeline.run.paths import RunPaths
+from pipeline.run.stage import StageContext, open_stage, stage_log_file
 
 
 @pytest.fixture(autouse=True)

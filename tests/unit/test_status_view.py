@@ -8,10 +8,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from pipeline.config import dump_config, load_config
-from pipeline.launch.jobs import JobRecord, add_record
 from pipeline.launch.status import show_status, stop_run
-from pipeline.paths import RunPaths
+from pipeline.run.config import dump_config, load_config
+from pipeline.run.jobs import JobRecord, add_record
+from pipeline.run.paths import RunPaths
 
 
 def _run(tmp_path: Path) -> RunPaths:

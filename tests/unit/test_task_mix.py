@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import validate_config
+from pipeline.agents.dataset import DataError, check_cursor, write_cursor
 from pipeline.errors import ConfigError
-from pipeline.rollout.data import DataError, check_cursor, write_cursor
 from pipeline.rollout.tasks import TaskMix, task_figures
+from pipeline.run.config import validate_config
 from schemas.config import DatasetConfig, TaskConfig
 from schemas.trajectory import TrajectoryRow
 
@@ -76,8 +76,8 @@ def row(task: str, reward: float, exact: float, sample: str = "x") -> Trajectory
 
 
 def test_the_trainer_reads_each_samples_task_only_when_asked(tmp_path: Path) -> None:
-    from pipeline.paths import RunPaths
-    from pipeline.shards import write_step
+    from pipeline.run.paths import RunPaths
+    from pipeline.run.shards import write_step
     from pipeline.trainer.data import load_step
 
     paths = RunPaths(tmp_path / "run")

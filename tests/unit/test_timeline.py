@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.run_progress import StepRecord
-from pipeline.timeline import ROLLOUT, TRAIN, stage_timeline, timeline_lines
+from pipeline.run.progress import StepRecord
+from pipeline.run.timeline import ROLLOUT, TRAIN, stage_timeline, timeline_lines
 
 ROLLOUT_ROW = {"time_wait_weights_s": 0.25, "time_runs_s": 1.0, "time_agent_start_s": 0.5, "time_write_s": 0.25,
                "time_step_s": 1.75}  # fmt: skip

@@ -13,7 +13,7 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipeline.tiny_model import make_tiny_model, special_tokens
+from pipeline.demo.tiny_model import make_tiny_model, special_tokens
 
 
 def _sha256(path: Path) -> str:
@@ -262,7 +262,7 @@ def test_bad_arguments_are_refused(tmp_path: Path, kwargs: dict) -> None:
 def test_build_is_identical_in_a_fresh_process(tmp_path: Path, tiny_model_dir: Path) -> None:
     """Byte-identical across processes, hash seeds and tokenizer thread counts (BPE training is threaded)."""
     env = {**os.environ, "PYTHONHASHSEED": "123", "RAYON_NUM_THREADS": "1"}
-    code = f"from pipeline.tiny_model import make_tiny_model; make_tiny_model({str(tmp_path / 'm')!r})"
+    code = f"from pipeline.demo.tiny_model import make_tiny_model; make_tiny_model({str(tmp_path / 'm')!r})"
     subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True)
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json"):
         assert _sha256(tmp_path / "m" / name) == _sha256(tiny_model_dir / name), name

@@ -18,7 +18,7 @@ from pipeline.proxy.core import CallSpec, Generator
 from pipeline.proxy.messages import message_key
 from pipeline.proxy.sessions import SessionStore
 from pipeline.proxy.tokenize import ChatTokenizer
-from pipeline.trajectory import Interaction
+from pipeline.proxy.trajectory import Interaction
 from schemas.config.model import ModelConfig
 from schemas.config.proxy import ProxyConfig
 

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from pipeline.trajectory import Interaction, SessionTree, TrajectoryError, UnknownInteraction
+from pipeline.proxy.trajectory import Interaction, SessionTree, TrajectoryError, UnknownInteraction
 from schemas.trajectory import validate_row
 
 

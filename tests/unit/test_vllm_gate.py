@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from pipeline.engine.server.requests import RequestError
-from pipeline.engine.server.vllm_gate import Gate
+from pipeline.engine.server.vllm.gate import Gate
 
 
 def gate(drain_timeout_s: float = 3600.0) -> Gate:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.engine.server.requests import WorkItem
-from pipeline.engine.server.vllm_wire import choice_tokens, choice_top, completion_body, finish_reason, prompt_scores
+from pipeline.engine.server.vllm.wire import choice_tokens, choice_top, completion_body, finish_reason, prompt_scores
 from schemas.engine_api import SamplingParams
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import SchemaError
-from pipeline.paths import RunPaths
-from pipeline.weight_version import published_version, read_weight_version, write_weight_version
+from pipeline.run.paths import RunPaths
+from pipeline.run.weight_version import published_version, read_weight_version, write_weight_version
 
 
 def test_round_trip_and_file_shape(tmp_path: Path) -> None:

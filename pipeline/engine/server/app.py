@@ -32,12 +32,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from pipeline.apidoc import errors, json_body, publish, sse_stream
-from pipeline.engine.net import PeerLog
 from pipeline.engine.server.backend import EngineBackend
 from pipeline.engine.server.bodies import M, error_response, parse_body, parse_version
 from pipeline.engine.server.completions import complete, events, until_disconnect
 from pipeline.engine.server.requests import RequestError, expand
+from pipeline.net.addresses import PeerLog
+from pipeline.net.apidoc import errors, json_body, publish, sse_stream
 from schemas.engine_answers import (
     AdminAnswer,
     EngineError,

@@ -2,7 +2,7 @@
 
 The app owns the protocol (routes, body parsing, error bodies, response shapes; docs/inference.md);
 a backend only generates tokens and carries out control and weight-update commands. Two implement
-it: `hf_engine.HFEngine` (a transformers model in this process) and `vllm_adapter.VLLMAdapter`
+it: `hf.engine.HFEngine` (a transformers model in this process) and `vllm.adapter.VLLMAdapter`
 (a vLLM server behind us).
 
 Errors: a backend raises `requests.RequestError` when the caller's input cannot be served (the app

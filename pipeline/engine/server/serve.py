@@ -1,6 +1,6 @@
 """Serving an engine app over HTTP: as a server process's one job, or in a background thread.
 
-`serve` is what the server processes run (`python -m pipeline.engine.server.hf`, `... .vllm_adapter`);
+`serve` is what the server processes run (`python -m pipeline.engine.server.hf.process`, `... .vllm.adapter`);
 `serve_in_thread` serves beside other work in this process, e.g. `hf.start_hf_server` for tests
 and benchmarks: real HTTP on loopback, started in about a second, no subprocess.
 """
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import uvicorn
 
-from pipeline.engine.net import free_port
+from pipeline.net.addresses import free_port
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pipeline.engine.net import free_port
+from pipeline.net.addresses import free_port
 
 
 @dataclass(frozen=True)
