@@ -25,6 +25,7 @@ bench:
 
 lint: install
 	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 	.venv/bin/mypy pipeline stages schemas
 
 clean:

@@ -107,8 +107,10 @@ def report(full: SeedRun, lora: SeedRun, out: Path) -> None:
         figures[f"{name} reward last 20%"] = round(run.fifth(run.rewards, True), 3)
         if run.wall_s:
             figures[f"{name} demo wall s"] = round(run.wall_s, 1)
-        print(f"{name:>5}: {len(run.exact)} steps, exact-correct first 20% {run.fifth(run.exact, False):.3f}, "
-              f"last 20% {run.fifth(run.exact, True):.3f}, reward last 20% {run.fifth(run.rewards, True):.3f}")
+        print(
+            f"{name:>5}: {len(run.exact)} steps, exact-correct first 20% {run.fifth(run.exact, False):.3f}, "
+            f"last 20% {run.fifth(run.exact, True):.3f}, reward last 20% {run.fifth(run.rewards, True):.3f}"
+        )
     gap = full.fifth(full.exact, True) - lora.fifth(lora.exact, True)
     goal = f"LoRA last-20% exact-correct within {GOAL_GAP} of full weights'"
     targets = {goal: "met" if gap <= GOAL_GAP else f"missed (gap {gap:.3f})"}

@@ -206,7 +206,9 @@ def _report(runs: dict[int, list[dict[str, float]]], args: argparse.Namespace) -
         summary[f"cpu_bound_per_s_w{workers}"] = bound
         for name, value in cpu.items():
             summary[f"{name}_cpu_ms_per_completion_w{workers}"] = value
-        print(f"{workers:<10}{per_s:>16.0f}{cpu['proxy']:>14.3f}{cpu['engine']:>15.3f}{cpu['load']:>17.3f}{bound:>14.0f}")
+        print(
+            f"{workers:<10}{per_s:>16.0f}{cpu['proxy']:>14.3f}{cpu['engine']:>15.3f}{cpu['load']:>17.3f}{bound:>14.0f}"
+        )
     speedup = summary[f"completions_per_s_w{args.workers}"] / summary["completions_per_s_w1"]
     paired = [b["per_s"] / a["per_s"] for a, b in zip(runs[1], runs[args.workers], strict=True)]
     summary.update(speedup=speedup, speedup_per_round=paired, target_speedup=1.5, meets_target=speedup >= 1.5)

@@ -95,7 +95,6 @@ def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[float, Any]:
     return time.perf_counter() - start, result
 
 
-
 def run(samples: int, workdir: Path) -> dict[str, Any]:
     from pipeline.run.paths import RunPaths
     from pipeline.run.shards import read_step, write_step

@@ -78,8 +78,16 @@ def launch(
     """Check everything, create the run dir and start every stage (Slurm jobs via submitit, or local processes)."""
     from pipeline.launch.launcher import launch as do_launch
 
-    return do_launch(config, overrides or [], executor=executor.value, dry_run=dry_run, prepare=prepare, out=out,
-                     resume=resume, clean=clean)  # fmt: skip
+    return do_launch(
+        config,
+        overrides or [],
+        executor=executor.value,
+        dry_run=dry_run,
+        prepare=prepare,
+        out=out,
+        resume=resume,
+        clean=clean,
+    )
 
 
 @app.command()
@@ -146,8 +154,9 @@ def inspect(
     """Offline view of trajectory shards: samples, decoded turns, masks, reward and length statistics."""
     from pipeline.analysis.inspect import inspect_path
 
-    return inspect_path(path, step=step, decode=decode, fmt=fmt.value, output=output, limit=limit, task=task,
-                        mismatch=mismatch)  # fmt: skip
+    return inspect_path(
+        path, step=step, decode=decode, fmt=fmt.value, output=output, limit=limit, task=task, mismatch=mismatch
+    )
 
 
 class QueryFormat(StrEnum):
@@ -171,8 +180,9 @@ def query(
     """SQL over runs (DuckDB): views samples, tokens and steps over every complete step; docs/inspect.md."""
     from pipeline.analysis.query import query_command
 
-    return query_command(args, sql_file=sql_file, fmt=fmt.value, output=output, limit=limit, schema=schema,
-                         verify=not no_verify)  # fmt: skip
+    return query_command(
+        args, sql_file=sql_file, fmt=fmt.value, output=output, limit=limit, schema=schema, verify=not no_verify
+    )
 
 
 @app.command()
@@ -242,8 +252,9 @@ def replay(
     """Score a step's sampled tokens again with the trainer's forward path: the mismatch with the engine's log-probs."""
     from pipeline.analysis.replay import replay_command
 
-    return replay_command(run_dir, step, checkpoint=checkpoint, device=device, output=output, fmt=fmt.value,
-                          worst=worst)  # fmt: skip
+    return replay_command(
+        run_dir, step, checkpoint=checkpoint, device=device, output=output, fmt=fmt.value, worst=worst
+    )
 
 
 @app.command()
@@ -274,8 +285,9 @@ def doctor(
     """A tiny real run (server, rollout, trainer, publication), then a pass/fail table of checks."""
     from pipeline.demo.doctor import DoctorOptions, run_doctor
 
-    return run_doctor(DoctorOptions(gpu=gpu, backend=backend, model=model, steps=steps, workdir=workdir,
-                                    overrides=overrides or []))  # fmt: skip
+    return run_doctor(
+        DoctorOptions(gpu=gpu, backend=backend, model=model, steps=steps, workdir=workdir, overrides=overrides or [])
+    )
 
 
 @app.command("make-tiny-model")
@@ -301,15 +313,18 @@ def make_tiny_model_cmd(
     if template != "qwen" and template != "llama3":
         raise ArlError(f"--template must be qwen or llama3, got {template!r}")
     style: Literal["qwen", "llama3"] = "qwen" if template == "qwen" else "llama3"
-    path = make_tiny_model(out_dir, template=style, num_layers=layers, hidden_size=hidden, seed=seed,
-                           overwrite=overwrite)  # fmt: skip
+    path = make_tiny_model(
+        out_dir, template=style, num_layers=layers, hidden_size=hidden, seed=seed, overwrite=overwrite
+    )
     typer.echo(f"tiny model written to {path}")
     if warm_start is not None:
         from pipeline.demo.warm_start import warm_start as run_warm_start
 
         done = run_warm_start(path, warm_start, steps=warm_start_steps, seed=seed)
-        typer.echo(f"warm start: {done.steps} supervised steps on {done.corpus} ({done.rows} rows), "
-                   f"loss {done.first_loss:.2f} -> {done.last_loss:.2f}")  # fmt: skip
+        typer.echo(
+            f"warm start: {done.steps} supervised steps on {done.corpus} ({done.rows} rows), "
+            f"loss {done.first_loss:.2f} -> {done.last_loss:.2f}"
+        )
 
 
 @app.command()

@@ -60,8 +60,10 @@ def resolve_proxy_urls(proxy: str | Path, name: str | None = None) -> list[str]:
     if name is not None:
         entries = [e for e in entries if e.stem == name]
     if not entries:
-        raise ArlError(f"no proxy registered under {registry}{f' named {name!r}' if name else ''}: is "
-                       "`arl stage proxy` running for this run dir? (or pass the proxy's URL)")  # fmt: skip
+        raise ArlError(
+            f"no proxy registered under {registry}{f' named {name!r}' if name else ''}: is "
+            "`arl stage proxy` running for this run dir? (or pass the proxy's URL)"
+        )
     if len(entries) > 1:
         raise ArlError(f"several proxies registered under {registry} ({[e.stem for e in entries]}): pass name=")
     entry = json.loads(entries[0].read_text())
@@ -71,9 +73,17 @@ def resolve_proxy_urls(proxy: str | Path, name: str | None = None) -> list[str]:
 class AgentSession:
     """One agent run in one proxy session (an async context manager)."""
 
-    def __init__(self, proxy: str | Path, *, client_key: str, group_id: str | None = None,
-                 metadata: dict[str, Any] | None = None, http_client: httpx.AsyncClient | None = None,
-                 start_timeout_s: float = 600.0, proxy_name: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        proxy: str | Path,
+        *,
+        client_key: str,
+        group_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        http_client: httpx.AsyncClient | None = None,
+        start_timeout_s: float = 600.0,
+        proxy_name: str | None = None,
+    ) -> None:
         self.proxy_url = resolve_proxy_url(proxy, proxy_name)
         self.client_key = client_key
         self.group_id = group_id
@@ -146,8 +156,9 @@ class AgentSession:
         """Train on none of this run's samples (the run is still ended cleanly)."""
         self.rejected = True
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:  # fmt: skip
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc is not None:
             self.failed = True
             self.error = "".join(traceback.format_exception(exc_type, exc, tb))
@@ -195,9 +206,17 @@ class AgentRunner:
     It may be sync (it then runs in a thread).
     """
 
-    def __init__(self, proxy: str | Path, *, client_key: str, group_size: int = 1, max_concurrency: int = 8,
-                 run_timeout_s: float = 300.0, start_timeout_s: float = 600.0,
-                 proxy_name: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        proxy: str | Path,
+        *,
+        client_key: str,
+        group_size: int = 1,
+        max_concurrency: int = 8,
+        run_timeout_s: float = 300.0,
+        start_timeout_s: float = 600.0,
+        proxy_name: str | None = None,
+    ) -> None:
         self.proxy_urls = resolve_proxy_urls(proxy, proxy_name)
         self.proxy_url = self.proxy_urls[0]
         self.client_key = client_key
@@ -224,14 +243,26 @@ class AgentRunner:
         summary.duration_s = time.monotonic() - started
         return summary
 
-    async def _one(self, agent_fn: AgentFn, data: dict[str, Any], group_id: str, index: int,
-                   http: httpx.AsyncClient, summary: RunnerSummary) -> None:  # fmt: skip
+    async def _one(
+        self,
+        agent_fn: AgentFn,
+        data: dict[str, Any],
+        group_id: str,
+        index: int,
+        http: httpx.AsyncClient,
+        summary: RunnerSummary,
+    ) -> None:
         summary.runs += 1
         # Sessions spread over the proxy's workers in turn (each session stays on the one it started on).
         url = self.proxy_urls[summary.runs % len(self.proxy_urls)]
-        session = AgentSession(url, client_key=self.client_key, group_id=group_id,
-                               metadata={"dataset_index": index}, http_client=http,
-                               start_timeout_s=self.start_timeout_s)  # fmt: skip
+        session = AgentSession(
+            url,
+            client_key=self.client_key,
+            group_id=group_id,
+            metadata={"dataset_index": index},
+            http_client=http,
+            start_timeout_s=self.start_timeout_s,
+        )
         try:
             async with session:
                 value = await asyncio.wait_for(_call(agent_fn, session, data), self.run_timeout_s)

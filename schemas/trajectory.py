@@ -148,8 +148,10 @@ def rows_from_dicts(rows: Iterable[Mapping[str, Any]]) -> list[TrajectoryRow]:
     for i, row in enumerate(rows):
         missing = [name for name in COLUMNS if name not in row]
         if missing:
-            raise SchemaError(f"row {i} (sample {row.get('sample_id')!r}) has no column {missing[0]!r}; rows need "
-                              f"every column of {list(COLUMNS)}")  # fmt: skip
+            raise SchemaError(
+                f"row {i} (sample {row.get('sample_id')!r}) has no column {missing[0]!r}; rows need "
+                f"every column of {list(COLUMNS)}"
+            )
         unknown = sorted(set(row) - set(COLUMNS))
         if unknown:
             raise SchemaError(f"row {i} (sample {row.get('sample_id')!r}) has unknown columns {unknown}")

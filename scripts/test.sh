@@ -28,5 +28,6 @@ if [ "${ARL_SKIP_BROWSER:-0}" != 1 ] && [ ! -x /usr/bin/chromium ]; then
     fi
 fi
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 .venv/bin/mypy pipeline stages schemas
 .venv/bin/python -m pytest "$@"

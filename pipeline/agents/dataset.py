@@ -76,8 +76,10 @@ def load_rows(config: DatasetConfig) -> Rows:
     elif path.suffix in (".jsonl", ".json", ".ndjson"):
         rows = _load_jsonl(path)
     else:
-        raise DataError(f"dataset {path}: unknown format {path.suffix!r}; use .jsonl, .parquet, "
-                        "or a directory written by datasets' save_to_disk")  # fmt: skip
+        raise DataError(
+            f"dataset {path}: unknown format {path.suffix!r}; use .jsonl, .parquet, "
+            "or a directory written by datasets' save_to_disk"
+        )
     if len(rows) == 0:
         raise DataError(f"dataset {path} holds no rows")
     return rows
@@ -193,8 +195,16 @@ def write_cursor(path: Path, schedule: PromptSource, step: int, dataset_path: st
     """
     if path.exists() and int(read_json(path).get("last_step", -1)) > step:
         return
-    write_json_atomic(path, {"last_step": step, "next_step": step + 1, **schedule.cursor(step),
-                             "dataset_path": dataset_path, **schedule.fingerprint()})  # fmt: skip
+    write_json_atomic(
+        path,
+        {
+            "last_step": step,
+            "next_step": step + 1,
+            **schedule.cursor(step),
+            "dataset_path": dataset_path,
+            **schedule.fingerprint(),
+        },
+    )
 
 
 def check_cursor(path: Path, schedule: PromptSource) -> dict[str, Any] | None:

@@ -35,8 +35,14 @@ class SessionPlan:
     session_id: str = ""
 
 
-async def drive_session(control: ProxyControl, proxy_url: str, executor: Executor, data: dict[str, Any],
-                        plan: SessionPlan, config: ArlConfig) -> tuple[RunReport, ExportedSession | None]:  # fmt: skip
+async def drive_session(
+    control: ProxyControl,
+    proxy_url: str,
+    executor: Executor,
+    data: dict[str, Any],
+    plan: SessionPlan,
+    config: ArlConfig,
+) -> tuple[RunReport, ExportedSession | None]:
     """One run, the way rollout and evaluation both do it: admitted, the agent, rewards, end, export. The report
     carries an error when the session could not be exported (the run is then lost, not the step)."""
     session = await admit_session(control, plan.group_id, plan.metadata, plan.timeout_s, plan.sampling)
@@ -46,11 +52,14 @@ async def drive_session(control: ProxyControl, proxy_url: str, executor: Executo
     report = await executor.run(data, context, plan.timeout_s)
     report = await apply_rewards(control, session.session_id, report)
     await end_quietly(control, session.session_id)
-    exported = await export_session(control, session.session_id, config.rollout.export_style,
-                                    config.rollout.discount)  # fmt: skip
+    exported = await export_session(control, session.session_id, config.rollout.export_style, config.rollout.discount)
     if exported is None:
-        report = RunReport(None, report.error or "the session could not be exported (see the warning above)",
-                           report.timed_out, report.duration_s)  # fmt: skip
+        report = RunReport(
+            None,
+            report.error or "the session could not be exported (see the warning above)",
+            report.timed_out,
+            report.duration_s,
+        )
     return report, exported
 
 
@@ -64,8 +73,13 @@ def with_agent_metrics(row: TrajectoryRow, metrics: dict[str, float]) -> Traject
     return dataclasses.replace(row, metadata=json.dumps(metadata, sort_keys=True, default=str))
 
 
-async def admit_session(control: ProxyControl, group_id: str, metadata: dict[str, Any], patience_s: float,
-                        sampling: SamplingOverride | None = None) -> SessionInfo:  # fmt: skip
+async def admit_session(
+    control: ProxyControl,
+    group_id: str,
+    metadata: dict[str, Any],
+    patience_s: float,
+    sampling: SamplingOverride | None = None,
+) -> SessionInfo:
     """Grant one unit of capacity and start the session (with `sampling` imposed on its calls, if given); retry
     briefly while the proxy is full (429)."""
     loop = asyncio.get_running_loop()
@@ -77,14 +91,15 @@ async def admit_session(control: ProxyControl, group_id: str, metadata: dict[str
             return await control.start_session(group_id, metadata, sampling)
         except NoCapacity as exc:
             if loop.time() > deadline:
-                raise ArlError(f"the proxy refused new sessions for {patience_s:g}s ({exc}); raise proxy.max_sessions "
-                               "above rollout.max_concurrency") from exc  # fmt: skip
+                raise ArlError(
+                    f"the proxy refused new sessions for {patience_s:g}s ({exc}); raise proxy.max_sessions "
+                    "above rollout.max_concurrency"
+                ) from exc
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
 
-async def export_session(control: ProxyControl, session_id: str, style: str,
-                         discount: float) -> ExportedSession | None:  # fmt: skip
+async def export_session(control: ProxyControl, session_id: str, style: str, discount: float) -> ExportedSession | None:
     """Export a session; None if the proxy refuses it (the run is then lost, not the step).
 
     In process (`LocalControl`) the export first waits, with a deadline, for calls of the session

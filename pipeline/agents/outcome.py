@@ -42,12 +42,15 @@ def interpret_result(value: Any, spec: str = "agent") -> Outcome:
     anything else → error."""
     if isinstance(value, tuple):
         if len(value) != 2 or isinstance(value[0], tuple):
-            raise AgentReturnError(f"agent {spec!r} returned a tuple of {len(value)} items; a pair is "
-                                   "(reward or {interaction_id: reward}, {metric_name: number})")  # fmt: skip
+            raise AgentReturnError(
+                f"agent {spec!r} returned a tuple of {len(value)} items; a pair is "
+                "(reward or {interaction_id: reward}, {metric_name: number})"
+            )
         outcome = interpret_result(value[0], spec)
         if outcome.rejected:
-            raise AgentReturnError(f"agent {spec!r} returned (None, metrics): a rejected run has no metrics; "
-                                   "return None alone")  # fmt: skip
+            raise AgentReturnError(
+                f"agent {spec!r} returned (None, metrics): a rejected run has no metrics; return None alone"
+            )
         return Outcome(False, outcome.reward, outcome.rewards, _metrics(value[1], spec))
     if value is None:
         return Outcome(rejected=True)
@@ -78,14 +81,18 @@ METRIC_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVW
 def _metrics(value: Any, spec: str) -> dict[str, float]:
     """The metrics of a pair return: names usable as metric keys, finite numbers (bools count as 0/1)."""
     if not isinstance(value, dict):
-        raise AgentReturnError(f"agent {spec!r} returned a pair whose second item is {type(value).__name__}; "
-                               "it must be a dict {metric_name: number}")  # fmt: skip
+        raise AgentReturnError(
+            f"agent {spec!r} returned a pair whose second item is {type(value).__name__}; "
+            "it must be a dict {metric_name: number}"
+        )
     metrics: dict[str, float] = {}
     for key, item in value.items():
         number = float(item) if isinstance(item, bool | int | float) or _is_numpy_scalar(item) else math.nan
         if not isinstance(key, str) or not key or not set(key) <= METRIC_NAME_CHARS or not math.isfinite(number):
-            raise AgentReturnError(f"agent {spec!r} returned metric {key!r}: {item!r}; metric names use letters, "
-                                   "digits and _ . - and values are finite numbers")  # fmt: skip
+            raise AgentReturnError(
+                f"agent {spec!r} returned metric {key!r}: {item!r}; metric names use letters, "
+                "digits and _ . - and values are finite numbers"
+            )
         metrics[key] = number
     return metrics
 

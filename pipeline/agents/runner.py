@@ -133,8 +133,12 @@ class InlineExecutor:
         try:
             outcome = await asyncio.wait_for(call_agent_async(self.agent, data, ctx, self.http), timeout_s)
         except TimeoutError:
-            return RunReport(None, f"agent run timed out after {timeout_s:g}s (rollout.run_timeout_s)", True,
-                             time.monotonic() - start)  # fmt: skip
+            return RunReport(
+                None,
+                f"agent run timed out after {timeout_s:g}s (rollout.run_timeout_s)",
+                True,
+                time.monotonic() - start,
+            )
         except Exception:
             return RunReport(None, traceback.format_exc(), False, time.monotonic() - start)
         return RunReport(outcome, None, False, time.monotonic() - start)
@@ -182,9 +186,11 @@ class SubprocExecutor:
     def _spawn(self) -> _Worker:
         parent, child = self.context.Pipe()
         process = self.context.Process(
-            target=_worker_main, args=(child, self.agent.spec, self.blob, self.agent.accepts), daemon=True,
+            target=_worker_main,
+            args=(child, self.agent.spec, self.blob, self.agent.accepts),
+            daemon=True,
             name="arl-agent-worker",
-        )  # fmt: skip
+        )
         process.start()
         child.close()
         worker = _Worker(process, parent)
@@ -198,8 +204,10 @@ class SubprocExecutor:
         try:
             status, value = await asyncio.wait_for(_recv(worker.conn), self.startup_timeout_s)
         except TimeoutError:
-            status, value = "init_error", (f"worker process {worker.process.pid} did not report ready within "
-                                           f"{self.startup_timeout_s:g}s")  # fmt: skip
+            status, value = (
+                "init_error",
+                (f"worker process {worker.process.pid} did not report ready within {self.startup_timeout_s:g}s"),
+            )
         except (EOFError, OSError) as exc:
             await asyncio.to_thread(worker.process.join, 5)
             status, value = (
@@ -241,8 +249,12 @@ class SubprocExecutor:
         except (EOFError, OSError) as exc:
             code = worker.process.exitcode
             self._replace(worker)
-            return RunReport(None, f"agent worker process {worker.process.pid} died (exit code {code}): {exc!r}",
-                             False, time.monotonic() - start)  # fmt: skip
+            return RunReport(
+                None,
+                f"agent worker process {worker.process.pid} died (exit code {code}): {exc!r}",
+                False,
+                time.monotonic() - start,
+            )
         self.idle.put_nowait(worker)
         status, value = reply
         if status == "ok":
@@ -308,8 +320,9 @@ def _worker_main(conn: Connection, spec: str, blob: bytes, accepts: frozenset[st
     except BaseException:
         conn.send(("init_error", traceback.format_exc()))
         return
-    agent = Agent(obj=obj, spec=spec, kind="workflow" if hasattr(obj, "arun_episode") else "run",
-                  is_async=True, accepts=accepts)  # fmt: skip
+    agent = Agent(
+        obj=obj, spec=spec, kind="workflow" if hasattr(obj, "arun_episode") else "run", is_async=True, accepts=accepts
+    )
     conn.send(("ready", None))
     while True:
         try:
@@ -327,10 +340,14 @@ def _worker_main(conn: Connection, spec: str, blob: bytes, accepts: frozenset[st
 
 def _run_in_worker(agent: Agent, data: dict[str, Any], ctx: RunContext) -> Outcome:
     root = root_url(ctx.proxy_url)
-    os.environ.update({
-        "OPENAI_BASE_URL": f"{root}/v1", "OPENAI_API_KEY": ctx.session.api_key,
-        "ANTHROPIC_BASE_URL": root, "ANTHROPIC_API_KEY": ctx.session.api_key,
-    })  # fmt: skip
+    os.environ.update(
+        {
+            "OPENAI_BASE_URL": f"{root}/v1",
+            "OPENAI_API_KEY": ctx.session.api_key,
+            "ANTHROPIC_BASE_URL": root,
+            "ANTHROPIC_API_KEY": ctx.session.api_key,
+        }
+    )
     run = getattr(agent.obj, "run", None)
     if agent.kind == "run" and run is not None and not asyncio.iscoroutinefunction(run):
         kwargs = agent.run_kwargs(offered_kwargs(ctx, None))

@@ -55,8 +55,9 @@ def _run_one(script: Path, timeout_s: float) -> dict[str, Any] | None:
     started = time.monotonic()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
-        proc = subprocess.run([sys.executable, str(script)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout_s)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, str(script)], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
+        )
     except subprocess.TimeoutExpired:
         print(f"   timed out after {timeout_s:.0f}s")
         return None
@@ -92,8 +93,10 @@ def machine_description() -> str:
     except ImportError:
         torch_version, gpu = "absent", "no GPU"
     mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{cpu}, {os.cpu_count()} cores, {mem_gb:.0f} GiB RAM, {gpu}; Python {platform.python_version()}, "
-            f"torch {torch_version}")  # fmt: skip
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {mem_gb:.0f} GiB RAM, {gpu}; Python {platform.python_version()}, "
+        f"torch {torch_version}"
+    )
 
 
 _STRUCTURED = {"name", "script", "seconds", "reference", "figures", "ratios", "targets"}
@@ -123,8 +126,14 @@ def _section(result: dict[str, Any], date: str, machine: str) -> str:
     figures = dict(result.get("figures", {}))
     figures.update({k: v for k, v in result.items() if k not in _STRUCTURED and not isinstance(v, dict | list)})
     run = f"{result['seconds']} s, {date}, {_MEASURED_ON}{machine}"
-    lines = [f"## {result['name']}", "", f"`{result['script']}` ({run}). Reference: {result.get('reference', '-')}",
-             "", "| figure | value |", "| --- | --- |"]  # fmt: skip
+    lines = [
+        f"## {result['name']}",
+        "",
+        f"`{result['script']}` ({run}). Reference: {result.get('reference', '-')}",
+        "",
+        "| figure | value |",
+        "| --- | --- |",
+    ]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in figures.items()]
     lines += [f"| ratio: {k} | {_fmt(v)} |" for k, v in result.get("ratios", {}).items()]
     lines += [f"| target: {k} | {v} |" for k, v in result.get("targets", {}).items()]
@@ -140,8 +149,9 @@ def _existing_sections(path: Path) -> dict[str, str]:
     if not path.exists():
         return {}
     text = path.read_text()
-    old_machine = next((line.removeprefix("Machine:").strip() for line in text.splitlines()
-                        if line.startswith("Machine:")), None)  # fmt: skip
+    old_machine = next(
+        (line.removeprefix("Machine:").strip() for line in text.splitlines() if line.startswith("Machine:")), None
+    )
     sections: dict[str, str] = {}
     for chunk in text.split("\n## ")[1:]:
         name = chunk.split("\n", 1)[0].strip()

@@ -246,17 +246,27 @@ def report_json(report: DiffReport) -> dict[str, Any]:
 
     first = report.first_divergence()
     return {
-        "a": side(report.a), "b": side(report.b),
+        "a": side(report.a),
+        "b": side(report.b),
         "identity": {k: {"a": va, "b": vb} for k, (va, vb) in report.identity.items()},
         "config": [{"key": c.key, "a": c.a, "b": c.b} for c in report.changes],
         "rule": {"window": report.rule.window, "sigmas": report.rule.sigmas, "consecutive": report.rule.consecutive},
-        "curves": [{"name": c.name, "source": c.source, "x": "version" if c.source == "eval" else "step",
-                    "a": _points(c.a), "b": _points(c.b), "divergence": div(c.divergence), "note": c.note or None}
-                   for c in report.curves],
+        "curves": [
+            {
+                "name": c.name,
+                "source": c.source,
+                "x": "version" if c.source == "eval" else "step",
+                "a": _points(c.a),
+                "b": _points(c.b),
+                "divergence": div(c.divergence),
+                "note": c.note or None,
+            }
+            for c in report.curves
+        ],
         "first_divergence": None if first is None else {"curve": first.name, **(div(first.divergence) or {})},
         "plot": str(report.plot) if report.plot else None,
         "notes": report.notes,
-    }  # fmt: skip
+    }
 
 
 def _points(series: dict[int, float]) -> dict[str, list[Any]]:

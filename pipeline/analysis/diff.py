@@ -22,8 +22,15 @@ SPARK = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 32
 
 
-def diff_runs(run_a: Path, run_b: Path, *, fmt: str = "table", plot: Path | None = None, no_plot: bool = False,
-              rule: NoiseRule | None = None) -> int:  # fmt: skip
+def diff_runs(
+    run_a: Path,
+    run_b: Path,
+    *,
+    fmt: str = "table",
+    plot: Path | None = None,
+    no_plot: bool = False,
+    rule: NoiseRule | None = None,
+) -> int:
     """The `arl diff` command; returns the exit code (0)."""
     if fmt not in FORMATS:
         raise ArlError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -88,18 +95,30 @@ def curve_table(report: DiffReport) -> Any:
     from rich.text import Text
 
     w = report.rule.window
-    title = (f"curves: A over B on one scale per curve, x = step (eval: weight version); end = mean of the last {w} "
-             "common points (eval: the last common version)")  # fmt: skip
+    title = (
+        f"curves: A over B on one scale per curve, x = step (eval: weight version); end = mean of the last {w} "
+        "common points (eval: the last common version)"
+    )
     table = Table(title=title, title_justify="left")
-    for header, justify in (("curve", "left"), ("A / B", "left"), ("A end", "right"), ("B end", "right"),
-                            ("diverged at", "left")):  # fmt: skip
+    for header, justify in (
+        ("curve", "left"),
+        ("A / B", "left"),
+        ("A end", "right"),
+        ("B end", "right"),
+        ("diverged at", "left"),
+    ):
         table.add_column(header, justify=justify, no_wrap=header != "diverged at")  # type: ignore[arg-type]
     for curve in report.curves:
         spark_a, spark_b = sparklines(curve)
         last = 1 if curve.source == "eval" else w
         last_a, last_b = _last_mean(curve, "a", last), _last_mean(curve, "b", last)
-        table.add_row(Text(curve.name), Text(f"{spark_a}\n{spark_b}"), Text(f"{_num(last_a)}"),
-                      Text(f"{_num(last_b)}"), Text(_diverged_cell(curve)))  # fmt: skip
+        table.add_row(
+            Text(curve.name),
+            Text(f"{spark_a}\n{spark_b}"),
+            Text(f"{_num(last_a)}"),
+            Text(f"{_num(last_b)}"),
+            Text(_diverged_cell(curve)),
+        )
     return table
 
 
@@ -112,15 +131,19 @@ def _diverged_cell(curve: Curve) -> str:
 
 def divergence_line(report: DiffReport) -> str:
     rule = report.rule
-    how = (f"a {rule.window}-step window's mean differs by more than {rule.sigmas:g} standard errors (from each "
-           f"run's own step-to-step noise) in {rule.consecutive} windows in a row")  # fmt: skip
+    how = (
+        f"a {rule.window}-step window's mean differs by more than {rule.sigmas:g} standard errors (from each "
+        f"run's own step-to-step noise) in {rule.consecutive} windows in a row"
+    )
     first = report.first_divergence()
     if first is None or first.divergence is None:
         return f"no curve diverged beyond noise ({how})"
     d = first.divergence
     x = "version" if first.source == "eval" else "step"
-    return (f"first divergence: {first.name} at {x} {d.step} (window {d.window_start}-{d.step}: B−A {d.diff:+.4g}, "
-            f"{_z(d)}); diverged = {how}")  # fmt: skip
+    return (
+        f"first divergence: {first.name} at {x} {d.step} (window {d.window_start}-{d.step}: B−A {d.diff:+.4g}, "
+        f"{_z(d)}); diverged = {how}"
+    )
 
 
 def sparklines(curve: Curve, width: int = SPARK_WIDTH) -> tuple[str, str]:

@@ -30,9 +30,16 @@ SAMPLED_OPEN, SAMPLED_CLOSE = "«", "»"
 
 
 def inspect_path(
-    path: Path, *, step: int | None = None, decode: bool = False, fmt: str = "table",
-    output: Path | None = None, limit: int | None = None, task: str | None = None, mismatch: Path | None = None,
-) -> int:  # fmt: skip
+    path: Path,
+    *,
+    step: int | None = None,
+    decode: bool = False,
+    fmt: str = "table",
+    output: Path | None = None,
+    limit: int | None = None,
+    task: str | None = None,
+    mismatch: Path | None = None,
+) -> int:
     """Show the shards under `path`; returns the exit code (0)."""
     if fmt not in FORMATS:
         raise InspectError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -54,8 +61,9 @@ def inspect_path(
     if html:
         from pipeline.analysis.viewer import write_pages
 
-        for line in write_pages(Path(path), views, output=output, limit=HTML_LIMIT if limit is None else limit,
-                                mismatch=mismatch, task=task):  # fmt: skip
+        for line in write_pages(
+            Path(path), views, output=output, limit=HTML_LIMIT if limit is None else limit, mismatch=mismatch, task=task
+        ):
             print(line)
         return 0
     samples, notes = collect_samples(views, decode=decode, limit=LIMIT if limit is None else limit)
@@ -81,13 +89,21 @@ def collect_samples(views: list[StepView], *, decode: bool, limit: int) -> tuple
         has_tokens = "input_ids" in table.column_names
         for i, row in enumerate(table.to_pylist()):
             sample = {
-                "step": row["step"], "session_id": row["session_id"], "sample_id": row["sample_id"],
-                "parent_id": row["parent_id"], "group_id": row["group_id"], "num_turns": row["num_turns"],
-                "tokens": int(lengths[i]), "sampled_tokens": int(sampled[i]), "prompt_len": row["prompt_len"],
-                "reward": row["reward"], "finish_reason": row["finish_reason"],
-                "min_version": int(vmin[i]), "max_version": int(vmax[i]),
+                "step": row["step"],
+                "session_id": row["session_id"],
+                "sample_id": row["sample_id"],
+                "parent_id": row["parent_id"],
+                "group_id": row["group_id"],
+                "num_turns": row["num_turns"],
+                "tokens": int(lengths[i]),
+                "sampled_tokens": int(sampled[i]),
+                "prompt_len": row["prompt_len"],
+                "reward": row["reward"],
+                "finish_reason": row["finish_reason"],
+                "min_version": int(vmin[i]),
+                "max_version": int(vmax[i]),
                 "metadata": row_metadata(row["metadata"], i),
-            }  # fmt: skip
+            }
             if decode and has_tokens:
                 decoder = decoders.setdefault(view.tokenizer, Decoder(view.tokenizer))
                 sample["segments"] = decoder.segments(row["input_ids"], row["loss_mask"], row["versions"])
@@ -123,16 +139,30 @@ def _versions(sample: dict[str, Any]) -> str:
 
 
 SUMMARY_COLUMNS = [
-    ("step", "step"), ("samples", "count"), ("sessions", "sessions"), ("groups", "groups"),
-    ("reward mean", "reward_mean"), ("reward std", "reward_std"), ("len p50", "length_p50"),
-    ("len p90", "length_p90"), ("len max", "length_max"), ("sampled tok", "sampled_tokens"),
-    ("staleness max", "staleness_max"), ("prefix breaks", "prefix_breaks"),
-]  # fmt: skip
+    ("step", "step"),
+    ("samples", "count"),
+    ("sessions", "sessions"),
+    ("groups", "groups"),
+    ("reward mean", "reward_mean"),
+    ("reward std", "reward_std"),
+    ("len p50", "length_p50"),
+    ("len p90", "length_p90"),
+    ("len max", "length_max"),
+    ("sampled tok", "sampled_tokens"),
+    ("staleness max", "staleness_max"),
+    ("prefix breaks", "prefix_breaks"),
+]
 SAMPLE_COLUMNS = [
-    ("step", "step"), ("session", "session_id"), ("group", "group_id"), ("sample", "sample_id"),
-    ("turns", "num_turns"), ("tokens", "tokens"), ("sampled", "sampled_tokens"), ("reward", "reward"),
+    ("step", "step"),
+    ("session", "session_id"),
+    ("group", "group_id"),
+    ("sample", "sample_id"),
+    ("turns", "num_turns"),
+    ("tokens", "tokens"),
+    ("sampled", "sampled_tokens"),
+    ("reward", "reward"),
     ("finish", "finish_reason"),
-]  # fmt: skip
+]
 
 
 def _sample_cells(sample: dict[str, Any]) -> list[str]:

@@ -28,11 +28,20 @@ from schemas.config import ArlConfig
 
 log = logging.getLogger("arl.replay")
 
-REPLAY_SCHEMA = pa.schema([
-    ("run", pa.string()), ("step", pa.int64()), ("sample_id", pa.string()), ("pos", pa.int64()),
-    ("token_id", pa.int64()), ("version", pa.int64()), ("checkpoint", pa.string()),
-    ("engine_logprob", pa.float64()), ("trainer_logprob", pa.float64()), ("delta", pa.float64()),
-])  # fmt: skip
+REPLAY_SCHEMA = pa.schema(
+    [
+        ("run", pa.string()),
+        ("step", pa.int64()),
+        ("sample_id", pa.string()),
+        ("pos", pa.int64()),
+        ("token_id", pa.int64()),
+        ("version", pa.int64()),
+        ("checkpoint", pa.string()),
+        ("engine_logprob", pa.float64()),
+        ("trainer_logprob", pa.float64()),
+        ("delta", pa.float64()),
+    ]
+)
 """One row per sampled token: `pos` its index in the sample's `input_ids`, `version` the weights that sampled
 it, `checkpoint` the weights it was replayed under, `delta` = trainer_logprob - engine_logprob."""
 CONTEXT_TOKENS = 8
@@ -50,8 +59,9 @@ class Replay:
     worst: list[dict[str, Any]] = field(default_factory=list)
 
 
-def replay_step(run_dir: Path, step: int, *, checkpoint: Path | None = None, device: str = "cpu",
-                worst: int = 10) -> Replay:  # fmt: skip
+def replay_step(
+    run_dir: Path, step: int, *, checkpoint: Path | None = None, device: str = "cpu", worst: int = 10
+) -> Replay:
     """Score step `step`'s sampled tokens again (see the module docstring); nothing is written."""
     from pipeline.run.config import config_from_run_dir
     from pipeline.run.shards import read_manifest, read_step
@@ -77,16 +87,19 @@ def replay_step(run_dir: Path, step: int, *, checkpoint: Path | None = None, dev
     return result
 
 
-def _weights_by_version(paths: RunPaths, config: ArlConfig, samples: list[Sample], step: int,
-                        checkpoint: Path | None) -> dict[str, list[int]]:  # fmt: skip
+def _weights_by_version(
+    paths: RunPaths, config: ArlConfig, samples: list[Sample], step: int, checkpoint: Path | None
+) -> dict[str, list[int]]:
     """Which weights score which versions' tokens: `checkpoint` for all, else each version's own checkpoint."""
     versions = sorted({int(v) for s in samples for v in s.versions[1:][s.loss_mask[1:] == 1]})
     if checkpoint is not None:
         if not checkpoint.is_dir():
             raise ArlError(f"--checkpoint {checkpoint} is not a directory (a Hugging Face model or a LoRA adapter)")
         if is_adapter_dir(checkpoint) and config.trainer.lora is None:
-            raise ArlError(f"--checkpoint {checkpoint} is a LoRA adapter but the run trains full weights; pass a full "
-                           "model (e.g. the adapter's merged/ directory or `arl export-merged`'s output)")  # fmt: skip
+            raise ArlError(
+                f"--checkpoint {checkpoint} is a LoRA adapter but the run trains full weights; pass a full "
+                "model (e.g. the adapter's merged/ directory or `arl export-merged`'s output)"
+            )
         return {str(checkpoint): versions}
     kept = paths.complete_checkpoints()
     missing = [v for v in versions if v > 0 and v not in kept]
@@ -99,8 +112,9 @@ def _weights_by_version(paths: RunPaths, config: ArlConfig, samples: list[Sample
     return {str(Path(config.model.path) if v == 0 else paths.checkpoint_dir(v)): [v] for v in versions}
 
 
-def _score(config: ArlConfig, weights: Path, samples: list[Sample], versions: set[int] | None, run: str,
-           step: int) -> list[dict[str, Any]]:  # fmt: skip
+def _score(
+    config: ArlConfig, weights: Path, samples: list[Sample], versions: set[int] | None, run: str, step: int
+) -> list[dict[str, Any]]:
     """Rows of the sampled tokens (of `versions`, or all) scored with the trainer's backend loaded from `weights`."""
     from pipeline.trainer.packing import plan_step
     from pipeline.trainer.torch_backend import TorchBackend
@@ -113,8 +127,16 @@ def _score(config: ArlConfig, weights: Path, samples: list[Sample], versions: se
     try:
         backend.load(weights, None)
         log.info("scoring %d samples under %s", len(chosen), weights)
-        plan = plan_step(chosen, np.zeros(len(chosen)), minibatches=1, budget=config.trainer.micro_batch_tokens,
-                         agg="token", seed=0, step=step, layout=backend.layout)  # fmt: skip
+        plan = plan_step(
+            chosen,
+            np.zeros(len(chosen)),
+            minibatches=1,
+            budget=config.trainer.micro_batch_tokens,
+            agg="token",
+            seed=0,
+            step=step,
+            layout=backend.layout,
+        )
         for micro in plan[0]:
             logp = backend.logprobs(micro).numpy()
             width = len(logp) // len(micro.lengths) if backend.layout == "padded" else 0
@@ -127,8 +149,9 @@ def _score(config: ArlConfig, weights: Path, samples: list[Sample], versions: se
     return rows
 
 
-def _rows(sample: Sample, logp: np.ndarray, versions: set[int] | None, run: str, step: int,
-          checkpoint: str) -> list[dict[str, Any]]:  # fmt: skip
+def _rows(
+    sample: Sample, logp: np.ndarray, versions: set[int] | None, run: str, step: int, checkpoint: str
+) -> list[dict[str, Any]]:
     """`logp[p]` is the trainer's log-prob of token p + 1 (the packer's shift)."""
     out = []
     for pos in np.flatnonzero(sample.loss_mask[1:] == 1) + 1:
@@ -136,9 +159,20 @@ def _rows(sample: Sample, logp: np.ndarray, versions: set[int] | None, run: str,
         if versions is not None and version not in versions:
             continue
         engine, trainer = float(sample.logprobs[pos]), float(logp[pos - 1])
-        out.append({"run": run, "step": step, "sample_id": sample.sample_id, "pos": int(pos),
-                    "token_id": int(sample.input_ids[pos]), "version": version, "checkpoint": checkpoint,
-                    "engine_logprob": engine, "trainer_logprob": trainer, "delta": trainer - engine})  # fmt: skip
+        out.append(
+            {
+                "run": run,
+                "step": step,
+                "sample_id": sample.sample_id,
+                "pos": int(pos),
+                "token_id": int(sample.input_ids[pos]),
+                "version": version,
+                "checkpoint": checkpoint,
+                "engine_logprob": engine,
+                "trainer_logprob": trainer,
+                "delta": trainer - engine,
+            }
+        )
     return out
 
 
@@ -147,9 +181,14 @@ def summarize(table: pa.Table) -> dict[str, float]:
     delta = table.column("delta").to_numpy()
     if not delta.size:
         return {"tokens": 0}
-    return {"tokens": int(delta.size), "samples": len(set(table.column("sample_id").to_pylist())),
-            "mean_abs_delta": float(np.abs(delta).mean()), "max_abs_delta": float(np.abs(delta).max()),
-            "mean_delta": float(delta.mean()), "kl_k3": float(np.mean(np.exp(delta) - 1.0 - delta))}  # fmt: skip
+    return {
+        "tokens": int(delta.size),
+        "samples": len(set(table.column("sample_id").to_pylist())),
+        "mean_abs_delta": float(np.abs(delta).mean()),
+        "max_abs_delta": float(np.abs(delta).max()),
+        "mean_delta": float(delta.mean()),
+        "kl_k3": float(np.mean(np.exp(delta) - 1.0 - delta)),
+    }
 
 
 def worst_tokens(table: pa.Table, samples: dict[str, Sample], count: int, tokenizer: str) -> list[dict[str, Any]]:
@@ -189,14 +228,26 @@ def write_parquet(table: pa.Table, path: Path) -> Path:
     return write_bytes_atomic(path, buffer.getvalue())
 
 
-def replay_command(run_dir: Path, step: int, *, checkpoint: Path | None, device: str, output: Path | None,
-                   fmt: str, worst: int) -> int:  # fmt: skip
+def replay_command(
+    run_dir: Path, step: int, *, checkpoint: Path | None, device: str, output: Path | None, fmt: str, worst: int
+) -> int:
     """`arl replay`: replay, write the Parquet, print the report (a table for people or JSON)."""
     result = replay_step(run_dir, step, checkpoint=checkpoint, device=device, worst=worst)
     written = write_parquet(result.table, output or RunPaths(Path(run_dir)).replay_file(step))
     if fmt == "json":
-        print(json.dumps({"run": result.run, "step": step, "output": str(written), "checkpoints": result.checkpoints,
-                          **result.summary, "worst": result.worst}, default=str))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "run": result.run,
+                    "step": step,
+                    "output": str(written),
+                    "checkpoints": result.checkpoints,
+                    **result.summary,
+                    "worst": result.worst,
+                },
+                default=str,
+            )
+        )
     else:
         _print_report(result, written)
     return 0
@@ -215,16 +266,24 @@ def _print_report(result: Replay, written: Path) -> None:
     if not s.get("tokens"):
         console.print(f"step {result.step}: no sampled tokens to replay")
     else:
-        console.print(f"step {result.step}: {s['tokens']} tokens of {s['samples']} samples: "
-                      f"mean |Δ| {s['mean_abs_delta']:.3g}, max |Δ| {s['max_abs_delta']:.3g}, "
-                      f"mean Δ {s['mean_delta']:.3g}, KL k3 {s['kl_k3']:.3g}")  # fmt: skip
+        console.print(
+            f"step {result.step}: {s['tokens']} tokens of {s['samples']} samples: "
+            f"mean |Δ| {s['mean_abs_delta']:.3g}, max |Δ| {s['max_abs_delta']:.3g}, "
+            f"mean Δ {s['mean_delta']:.3g}, KL k3 {s['kl_k3']:.3g}"
+        )
     if result.worst:
         table = Table(title="largest |Δ| (Δ = trainer - engine log-prob)")
         for name in ("sample", "pos", "version", "engine", "trainer", "Δ", "context ⟶ token"):
             table.add_column(name, overflow="fold")
         for w in result.worst:
-            table.add_row(escape(w["sample_id"]), str(w["pos"]), str(w["version"]), f"{w['engine_logprob']:.4f}",
-                          f"{w['trainer_logprob']:.4f}", f"{w['delta']:+.4f}",
-                          f"{escape(repr(w['context']))} ⟶ [bold]{escape(repr(w['token']))}[/bold]")  # fmt: skip
+            table.add_row(
+                escape(w["sample_id"]),
+                str(w["pos"]),
+                str(w["version"]),
+                f"{w['engine_logprob']:.4f}",
+                f"{w['trainer_logprob']:.4f}",
+                f"{w['delta']:+.4f}",
+                f"{escape(repr(w['context']))} ⟶ [bold]{escape(repr(w['token']))}[/bold]",
+            )
         console.print(table)
     console.print(f"per-token rows: {written}")

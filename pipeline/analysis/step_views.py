@@ -83,11 +83,14 @@ def _step_view(step_dir: Path, *, all_columns: bool) -> StepView:
 def _run_views(steps_parent: Path, given: Path, step: int | None, *, with_tokens: bool, limit: int) -> list[StepView]:
     children = [parse_step_name(p.name) for p in steps_parent.iterdir()]
     if not any(c is not None for c in children):
-        raise InspectError(f"{given} is not a part file (*.parquet), a step dir (step_NNNNNN) or a run dir "
-                           "(holding trajectories/)")  # fmt: skip
-    complete = RunPaths(steps_parent.parent).complete_steps() if steps_parent.name == "trajectories" else sorted(
-        s for s in children if s is not None and (steps_parent / f"step_{s:06d}" / MANIFEST).exists()
-    )  # fmt: skip
+        raise InspectError(
+            f"{given} is not a part file (*.parquet), a step dir (step_NNNNNN) or a run dir (holding trajectories/)"
+        )
+    complete = (
+        RunPaths(steps_parent.parent).complete_steps()
+        if steps_parent.name == "trajectories"
+        else sorted(s for s in children if s is not None and (steps_parent / f"step_{s:06d}" / MANIFEST).exists())
+    )
     if step is not None:
         if step not in complete:
             raise InspectError(f"step {step} is not a complete step of {given}; complete steps: {complete or 'none'}")
@@ -135,8 +138,10 @@ class Decoder:
         self.tokenizer: Any = None
         self.note = ""
         if not tokenizer_path or not Path(tokenizer_path).exists():
-            self.note = (f"tokenizer {tokenizer_path or '(none named in the shard metadata)'} not found: "
-                         "showing token ids instead of text")  # fmt: skip
+            self.note = (
+                f"tokenizer {tokenizer_path or '(none named in the shard metadata)'} not found: "
+                "showing token ids instead of text"
+            )
             return
         try:
             self.tokenizer = _load_tokenizer(Path(tokenizer_path))
@@ -151,8 +156,14 @@ class Decoder:
             if i == len(ids) or mask[i] != mask[start] or versions[i] != versions[start]:
                 chunk = ids[start:i]
                 text = self.tokenizer.decode(chunk, skip_special_tokens=False) if self.tokenizer else None
-                out.append({"sampled": bool(mask[start]), "version": versions[start] if mask[start] else None,
-                            "ids": chunk, "text": text})  # fmt: skip
+                out.append(
+                    {
+                        "sampled": bool(mask[start]),
+                        "version": versions[start] if mask[start] else None,
+                        "ids": chunk,
+                        "text": text,
+                    }
+                )
                 start = i
         return out
 

@@ -44,8 +44,9 @@ TURN_HEADER = re.compile(r"<\|im_start\|>(\w+)|<\|start_header_id\|>(\w+)<\|end_
 """Where a chat turn begins and whose it is (ChatML and Llama 3 templates)."""
 
 
-def write_pages(source: Path, views: list[StepView], *, output: Path | None, limit: int, mismatch: Path | None,
-                task: str | None) -> list[str]:  # fmt: skip
+def write_pages(
+    source: Path, views: list[StepView], *, output: Path | None, limit: int, mismatch: Path | None, task: str | None
+) -> list[str]:
     """Write one page per step (and an index for several); returns the lines to print (the paths)."""
     pages, index = _targets(source, views, output)
     replay = read_mismatch(mismatch) if mismatch is not None else None
@@ -56,16 +57,28 @@ def write_pages(source: Path, views: list[StepView], *, output: Path | None, lim
             (full,) = only_task([full], task, source)
         decoder = decoders.setdefault(full.tokenizer, Decoder(full.tokenizer))
         deltas, replay_note = _step_mismatch(replay, mismatch, source, full)
-        nav = {"prev": pages[i - 1].name if i else None, "next": pages[i + 1].name if i + 1 < len(pages) else None,
-               "index": index.name if index else None}  # fmt: skip
+        nav = {
+            "prev": pages[i - 1].name if i else None,
+            "next": pages[i + 1].name if i + 1 < len(pages) else None,
+            "index": index.name if index else None,
+        }
         data = page_data(str(source), view, full, decoder, deltas, limit=limit, nav=nav)
         data["notes"] += [n for n in (decoder.note, replay_note) if n]
         _write(page, render_page(data))
     if index is None:
         return [str(pages[0])]
-    _write(index, render_page({"index": True, "source": str(source), "title": f"arl inspect · {source}",
-                               "steps": [{**v.summary, "page": p.name} for v, p in zip(views, pages, strict=True)],
-                               "notes": []}))  # fmt: skip
+    _write(
+        index,
+        render_page(
+            {
+                "index": True,
+                "source": str(source),
+                "title": f"arl inspect · {source}",
+                "steps": [{**v.summary, "page": p.name} for v, p in zip(views, pages, strict=True)],
+                "notes": [],
+            }
+        ),
+    )
     return [str(index), f"{len(pages)} step pages: {index.parent}/step_*.html"]
 
 
@@ -74,16 +87,26 @@ def _targets(source: Path, views: list[StepView], output: Path | None) -> tuple[
     is a directory of `step_NNNNNN.html` pages plus `index.html` when there are several."""
     if output is not None and output.suffix == ".html":
         if len(views) > 1:
-            raise InspectError(f"{len(views)} steps make {len(views)} pages: --output must be a directory "
-                               f"(not {output}), or pick one step with --step")  # fmt: skip
+            raise InspectError(
+                f"{len(views)} steps make {len(views)} pages: --output must be a directory "
+                f"(not {output}), or pick one step with --step"
+            )
         return [output], None
     folder = output if output is not None else Path.cwd() / f"{_slug(source)}.inspect"
     pages = [folder / f"{step_name(v.step)}.html" for v in views]
     return pages, (folder / "index.html" if len(views) > 1 else None)
 
 
-def page_data(source: str, view: StepView, full: StepView, decoder: Decoder, deltas: dict[str, dict[int, Any]],
-              *, limit: int, nav: dict[str, str | None]) -> dict[str, Any]:  # fmt: skip
+def page_data(
+    source: str,
+    view: StepView,
+    full: StepView,
+    decoder: Decoder,
+    deltas: dict[str, dict[int, Any]],
+    *,
+    limit: int,
+    nav: dict[str, str | None],
+) -> dict[str, Any]:
     """Everything one step's page shows, as the JSON its script reads."""
     table = full.table.slice(0, limit)
     rows = table.to_pylist()
@@ -93,13 +116,21 @@ def page_data(source: str, view: StepView, full: StepView, decoder: Decoder, del
         notes.append(f"showing the first {len(samples)} of {full.table.num_rows} samples (--limit {limit})")
     bad = sum(s.pop("token_mismatch", 0) for s in samples)
     if bad:
-        notes.append(f"{bad} replay rows name another token than the shard at their position: is the replay file "
-                     "from this run?")  # fmt: skip
+        notes.append(
+            f"{bad} replay rows name another token than the shard at their position: is the replay file from this run?"
+        )
     return {
-        "index": False, "source": source, "step": view.step, "title": f"arl inspect · step {view.step} · {source}",
-        "summary": view.summary, "samples": samples, "nav": nav, "notes": notes,
-        "has_mismatch": any(s["d"] is not None for s in samples), "tokenizer": full.tokenizer,
-    }  # fmt: skip
+        "index": False,
+        "source": source,
+        "step": view.step,
+        "title": f"arl inspect · step {view.step} · {source}",
+        "summary": view.summary,
+        "samples": samples,
+        "nav": nav,
+        "notes": notes,
+        "has_mismatch": any(s["d"] is not None for s in samples),
+        "tokenizer": full.tokenizer,
+    }
 
 
 def sample_data(row: dict[str, Any], index: int, decoder: Decoder, replay: dict[int, Any]) -> dict[str, Any]:
@@ -108,19 +139,34 @@ def sample_data(row: dict[str, Any], index: int, decoder: Decoder, replay: dict[
     metadata = row_metadata(row["metadata"], index)
     sampled_versions = sorted({v for v, m in zip(row["versions"], mask, strict=True) if m})
     out: dict[str, Any] = {
-        "id": row["sample_id"], "session": row["session_id"], "group": row["group_id"], "parent": row["parent_id"],
-        "task": task_of(metadata), "reward": _num(row["reward"]), "finish": row["finish_reason"],
-        "turns": row["num_turns"], "len": len(ids), "sampled": int(sum(mask)), "versions": sampled_versions,
-        "prefix_break": bool(metadata.get("prefix_break")), "metadata": metadata,
-        "ids": ids, "t": texts, "m": "".join("1" if m else "0" for m in mask), "v": row["versions"],
-        "lp": [round(float(x), 4) for x in row["logprobs"]], "d": None, "tl": None,
-    }  # fmt: skip
+        "id": row["sample_id"],
+        "session": row["session_id"],
+        "group": row["group_id"],
+        "parent": row["parent_id"],
+        "task": task_of(metadata),
+        "reward": _num(row["reward"]),
+        "finish": row["finish_reason"],
+        "turns": row["num_turns"],
+        "len": len(ids),
+        "sampled": int(sum(mask)),
+        "versions": sampled_versions,
+        "prefix_break": bool(metadata.get("prefix_break")),
+        "metadata": metadata,
+        "ids": ids,
+        "t": texts,
+        "m": "".join("1" if m else "0" for m in mask),
+        "v": row["versions"],
+        "lp": [round(float(x), 4) for x in row["logprobs"]],
+        "d": None,
+        "tl": None,
+    }
     out["marks"], out["headers"] = find_marks(texts) if texts is not None else ([], [])
     if replay:
         out["d"] = [_num(abs(replay[p][0])) if p in replay else None for p in range(len(ids))]
         out["tl"] = [_num(replay[p][1]) if p in replay else None for p in range(len(ids))]
-        out["token_mismatch"] = sum(1 for p, (_, _, tid) in replay.items()
-                                    if tid is not None and (p >= len(ids) or ids[p] != tid))  # fmt: skip
+        out["token_mismatch"] = sum(
+            1 for p, (_, _, tid) in replay.items() if tid is not None and (p >= len(ids) or ids[p] != tid)
+        )
     return out
 
 
@@ -182,8 +228,9 @@ def read_mismatch(path: Path) -> dict[tuple[int | None, str], dict[int, tuple[fl
         missing.append("delta (or engine_logprob and trainer_logprob)")
     if missing:
         has, expected = ", ".join(sorted(names)) or "none", ", ".join(REPLAY_COLUMNS)
-        raise InspectError(f"--mismatch {path}: missing column(s) {', '.join(missing)}; it has {has} "
-                           f"(arl replay writes {expected})")  # fmt: skip
+        raise InspectError(
+            f"--mismatch {path}: missing column(s) {', '.join(missing)}; it has {has} (arl replay writes {expected})"
+        )
 
     def column(name: str) -> list[Any]:
         return table.column(name).to_pylist() if name in names else [None] * table.num_rows
@@ -191,8 +238,9 @@ def read_mismatch(path: Path) -> dict[tuple[int | None, str], dict[int, tuple[fl
     trainer, engine = column("trainer_logprob"), column("engine_logprob")
     deltas = column("delta") if "delta" in names else [t - e for t, e in zip(trainer, engine, strict=True)]
     out: dict[tuple[int | None, str], dict[int, tuple[float, float | None, int | None]]] = {}
-    for step, sid, pos, delta, tl, tid in zip(column("step"), column("sample_id"), column("pos"), deltas, trainer,
-                                              column("token_id"), strict=True):  # fmt: skip
+    for step, sid, pos, delta, tl, tid in zip(
+        column("step"), column("sample_id"), column("pos"), deltas, trainer, column("token_id"), strict=True
+    ):
         if delta is not None and sid is not None and pos is not None:
             out.setdefault((step, str(sid)), {})[int(pos)] = (float(delta), tl, tid)
     return out

@@ -58,8 +58,10 @@ def demo_file_overrides() -> list[str]:
     """The demo config's agent and dataset as absolute paths, so its run works from any directory."""
     for path in (DEMO_CONFIG, DEMO_AGENT, DEMO_DATA, DEMO_FORMAT):
         if not path.exists():
-            raise ArlError(f"the demo's file {path} is missing from the installed arl package; reinstall arl "
-                           "(`pip install --force-reinstall arl`, or `pip install -e .` in a checkout)")  # fmt: skip
+            raise ArlError(
+                f"the demo's file {path} is missing from the installed arl package; reinstall arl "
+                "(`pip install --force-reinstall arl`, or `pip install -e .` in a checkout)"
+            )
     overrides = [
         f"rollout.agent={_yaml_str(f'{DEMO_AGENT}:DemoAgent')}",
         f"rollout.dataset.path={_yaml_str(str(DEMO_DATA))}",
@@ -88,11 +90,20 @@ def run_demo(
     model_dir = ensure_tiny_model(out / MODEL_NAME)
     trial = datetime.now().strftime("demo-%Y%m%d-%H%M%S") + (f"-seed{seed}" if seed else "")
     paths = RunPaths.from_config(out, "demo", trial)
-    overrides = [f"fileroot={_yaml_str(str(out))}", f"trial_name={trial}", f"num_steps={steps}",
-                 f"model.path={_yaml_str(str(model_dir))}", *files, f"rollout.max_staleness={max_staleness}",
-                 *seed_overrides(seed), *(overrides or [])]  # fmt: skip
-    console.print(f"[bold]arl demo[/]: {steps} steps (0-{steps - 1}; step k is trained into weight version k+1), "
-                  f"seed {seed}: RL teaches a tiny model to repeat the number it is asked to")  # fmt: skip
+    overrides = [
+        f"fileroot={_yaml_str(str(out))}",
+        f"trial_name={trial}",
+        f"num_steps={steps}",
+        f"model.path={_yaml_str(str(model_dir))}",
+        *files,
+        f"rollout.max_staleness={max_staleness}",
+        *seed_overrides(seed),
+        *(overrides or []),
+    ]
+    console.print(
+        f"[bold]arl demo[/]: {steps} steps (0-{steps - 1}; step k is trained into weight version k+1), "
+        f"seed {seed}: RL teaches a tiny model to repeat the number it is asked to"
+    )
     console.print(f"run dir: {paths.root}", markup=False, highlight=False)
     started = time.monotonic()
     code = _launch_and_watch(overrides, paths, steps)
@@ -142,9 +153,11 @@ def _warm_start_line(model_dir: Path, verb: str) -> str:
 
     record = read_record(model_dir)
     assert record is not None
-    return (f"warm start ({verb}): {record.steps} supervised steps on {Path(record.corpus).name}, the answer format "
-            f"only (its prompts name no number; its replies are random two-digit numbers); loss "
-            f"{record.first_loss:.2f} -> {record.last_loss:.2f}. Copying the number is left to RL.")  # fmt: skip
+    return (
+        f"warm start ({verb}): {record.steps} supervised steps on {Path(record.corpus).name}, the answer format "
+        f"only (its prompts name no number; its replies are random two-digit numbers); loss "
+        f"{record.first_loss:.2f} -> {record.last_loss:.2f}. Copying the number is left to RL."
+    )
 
 
 def _launch_and_watch(overrides: list[str], paths: RunPaths, steps: int) -> int:
@@ -234,8 +247,11 @@ def reward_of(record: dict[str, Any]) -> float | None:
 
 
 def _series(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
-    return [(int(r["step"]), float(r[key])) for r in records
-            if isinstance(r.get(key), int | float) and not isinstance(r.get(key), bool)]  # fmt: skip
+    return [
+        (int(r["step"]), float(r[key]))
+        for r in records
+        if isinstance(r.get(key), int | float) and not isinstance(r.get(key), bool)
+    ]
 
 
 def summarize(paths: RunPaths, elapsed: float) -> None:
@@ -254,8 +270,11 @@ def summarize(paths: RunPaths, elapsed: float) -> None:
         console.print(line)
     evaluations = eval_series(paths)
     for name, points in evaluations.items():
-        console.print(f"held-out evaluation {name}: " + "   ".join(f"version {v}: {x:.3f}" for v, x in points),
-                      markup=False, highlight=False)  # fmt: skip
+        console.print(
+            f"held-out evaluation {name}: " + "   ".join(f"version {v}: {x:.3f}" for v, x in points),
+            markup=False,
+            highlight=False,
+        )
     png = save_png(rewards, paths.reward_curve, exact=exact, evaluations=evaluations)
     console.print(f"reward curve: {png}", markup=False, highlight=False)
     console.print("inspect the trajectories:")
@@ -275,8 +294,10 @@ def _first_vs_last(series: list[tuple[int, float]]) -> str:
     """'steps a-b: x   steps c-d: y   change: +z' over the first and the last fifth of `series`."""
     k = max(1, len(series) // 5)
     first, last = series[:k], series[-k:]
-    return (f"{_span(first)}: {_mean(first):.3f}   {_span(last)}: {_mean(last):.3f}   "
-            f"change: [bold]{_mean(last) - _mean(first):+.3f}[/]")  # fmt: skip
+    return (
+        f"{_span(first)}: {_mean(first):.3f}   {_span(last)}: {_mean(last):.3f}   "
+        f"change: [bold]{_mean(last) - _mean(first):+.3f}[/]"
+    )
 
 
 def _span(rewards: list[tuple[int, float]]) -> str:
@@ -304,8 +325,11 @@ def ascii_curve(
         rows.append(label + "".join("█" if v >= threshold else " " for v in values))
     rows.append("      +" + "-" * len(values) + (" step" if per == 1 else f" step ({per} steps a column)"))
     first, last = str(rewards[0][0]), str(rewards[-1][0])
-    rows.append(" " * 7 + first + last.rjust(len(values) - len(first)) if len(values) > len(first) + len(last)
-                else " " * 7 + first)  # fmt: skip
+    rows.append(
+        " " * 7 + first + last.rjust(len(values) - len(first))
+        if len(values) > len(first) + len(last)
+        else " " * 7 + first
+    )
     return title + "\n" + "\n".join(rows)
 
 
@@ -332,8 +356,12 @@ def _pyplot() -> Any:
     return plt
 
 
-def save_png(rewards: list[tuple[int, float]], path: Path, exact: list[tuple[int, float]] | None = None,
-             evaluations: dict[str, list[tuple[int, float]]] | None = None) -> Path:  # fmt: skip
+def save_png(
+    rewards: list[tuple[int, float]],
+    path: Path,
+    exact: list[tuple[int, float]] | None = None,
+    evaluations: dict[str, list[tuple[int, float]]] | None = None,
+) -> Path:
     """The reward per step and, when given, the exact-correct rate per step and the held-out evaluations (by
     weight version) on the same [0, 1] axis."""
     plt = _pyplot()
@@ -343,8 +371,14 @@ def save_png(rewards: list[tuple[int, float]], path: Path, exact: list[tuple[int
     if exact:
         ax.plot([s for s, _ in exact], [r for _, r in exact], marker="s", markersize=3, label="exact-correct")
     for name, points in (evaluations or {}).items():
-        ax.plot([v for v, _ in points], [x for _, x in points], marker="D", markersize=7, linestyle="--",
-                label=f"held-out {name} (by version)")  # fmt: skip
+        ax.plot(
+            [v for v, _ in points],
+            [x for _, x in points],
+            marker="D",
+            markersize=7,
+            linestyle="--",
+            label=f"held-out {name} (by version)",
+        )
     if exact or evaluations:
         ax.legend(loc="center right", fontsize="small")  # where learning curves that rise leave room
     ax.set_xlabel("step (step k is trained into weight version k+1)")

@@ -71,11 +71,14 @@ def run_doctor(opts: DoctorOptions) -> int:
     trial = datetime.now().strftime("doctor-%Y%m%d-%H%M%S")
     from pipeline.launch.rundir import prepare_run_dir
 
-    config, paths = prepare_run_dir(DEMO_CONFIG, doctor_overrides(opts, model, workdir, trial), resume=False,
-                                    clean=False)  # fmt: skip
+    config, paths = prepare_run_dir(
+        DEMO_CONFIG, doctor_overrides(opts, model, workdir, trial), resume=False, clean=False
+    )
     where = "GPU" if opts.gpu else "CPU"
-    console.print(f"[bold]arl doctor[/] ({where}, {opts.chosen_backend}, {config.model.dtype}): {opts.steps} steps "
-                  f"of {model}\nrun dir [cyan]{paths.root}[/]")  # fmt: skip
+    console.print(
+        f"[bold]arl doctor[/] ({where}, {opts.chosen_backend}, {config.model.dtype}): {opts.steps} steps "
+        f"of {model}\nrun dir [cyan]{paths.root}[/]"
+    )
     checks = run_and_check(config, paths, model, gpu=opts.gpu)
     print_table(checks)
     failed = [c.name for c in checks if not c.ok]
@@ -98,13 +101,17 @@ def preflight(opts: DoctorOptions) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        raise ArlError("--gpu: no CUDA device is visible (torch.cuda.is_available() is False); run it on a GPU "
-                       "node, or drop --gpu for the CPU check")  # fmt: skip
+        raise ArlError(
+            "--gpu: no CUDA device is visible (torch.cuda.is_available() is False); run it on a GPU "
+            "node, or drop --gpu for the CPU check"
+        )
     if opts.model is None:
         raise ArlError("--gpu needs --model: a small HF model directory or hub name already on this node")
     if opts.weight_sync == "nccl" and torch.cuda.device_count() < 2:
-        raise ArlError(f"--gpu needs 2 GPUs for NCCL publication ({torch.cuda.device_count()} visible): NCCL refuses "
-                       "two ranks on one device; pass trainer.weight_sync=disk to check one GPU")  # fmt: skip
+        raise ArlError(
+            f"--gpu needs 2 GPUs for NCCL publication ({torch.cuda.device_count()} visible): NCCL refuses "
+            "two ranks on one device; pass trainer.weight_sync=disk to check one GPU"
+        )
     if backend != "hf":
         _require_importable(backend, _override(opts.overrides, "inference.python"))
 
@@ -112,8 +119,10 @@ def preflight(opts: DoctorOptions) -> None:
 def _require_importable(module: str, python: str | None) -> None:
     if python is None:
         if importlib.util.find_spec(module) is None:
-            raise ArlError(f"--backend {module}: `import {module}` fails in {sys.executable}; install it (pip "
-                           f"install -e '.[{module}]') or pass inference.python=<its venv's python>")  # fmt: skip
+            raise ArlError(
+                f"--backend {module}: `import {module}` fails in {sys.executable}; install it (pip "
+                f"install -e '.[{module}]') or pass inference.python=<its venv's python>"
+            )
         return
     probe = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True, check=False)
     if probe.returncode != 0:
@@ -134,20 +143,36 @@ def resolve_model(opts: DoctorOptions, workdir: Path) -> Path:
 
         return Path(snapshot_download(opts.model, local_files_only=True))
     except Exception:  # any failure means the same to the user: not on this node
-        raise ArlError(f"--model {opts.model}: no such directory, and not in the local Hugging Face cache "
-                       "(download it first; the doctor never downloads)") from None  # fmt: skip
+        raise ArlError(
+            f"--model {opts.model}: no such directory, and not in the local Hugging Face cache "
+            "(download it first; the doctor never downloads)"
+        ) from None
 
 
 def doctor_overrides(opts: DoctorOptions, model: Path, workdir: Path, trial: str) -> list[str]:
     """examples/demo.yaml (its agent and data by absolute path, so any directory works), made into the doctor's
     run; the user's own overrides come last and win."""
-    base = [*demo_file_overrides(), f"fileroot={workdir}", "experiment_name=doctor", f"trial_name={trial}",
-            f"num_steps={opts.steps}", f"model.path={model}", f"inference.backend={opts.chosen_backend}",
-            "trainer.weight_sync=nccl",
-            f"trainer.keep_checkpoints={opts.steps}", "trainer.publish_timeout_s=300"]  # fmt: skip
+    base = [
+        *demo_file_overrides(),
+        f"fileroot={workdir}",
+        "experiment_name=doctor",
+        f"trial_name={trial}",
+        f"num_steps={opts.steps}",
+        f"model.path={model}",
+        f"inference.backend={opts.chosen_backend}",
+        "trainer.weight_sync=nccl",
+        f"trainer.keep_checkpoints={opts.steps}",
+        "trainer.publish_timeout_s=300",
+    ]
     if opts.gpu:
-        base += ["model.dtype=bfloat16", "inference.device=cuda", "trainer.device=cuda", "trainer.bf16=true",
-                 "inference.mem_fraction=0.4", "trainer.optimizer.lr=1e-4"]  # fmt: skip
+        base += [
+            "model.dtype=bfloat16",
+            "inference.device=cuda",
+            "trainer.device=cuda",
+            "trainer.bf16=true",
+            "inference.mem_fraction=0.4",
+            "trainer.optimizer.lr=1e-4",
+        ]
     return base + list(opts.overrides)
 
 
@@ -189,8 +214,14 @@ def live_checks(config: ArlConfig, paths: RunPaths, initial: Path, *, gpu: bool)
         return [Check("served version", False, f"no server registered under {paths.inference_registry}")]
     url, steps = urls[0], config.num_steps
     checks = [check_served_version(url, paths, steps)]
-    checks += check_served_weights(url, paths.weights_dir(steps), initial, temperature=config.rollout.temperature,
-                                   dtype=config.model.dtype, device="cuda" if gpu else "cpu")  # fmt: skip
+    checks += check_served_weights(
+        url,
+        paths.weights_dir(steps),
+        initial,
+        temperature=config.rollout.temperature,
+        dtype=config.model.dtype,
+        device="cuda" if gpu else "cpu",
+    )
     return checks
 
 

@@ -125,8 +125,9 @@ def check_publication(paths: RunPaths, weight_sync: str, *, want_nccl: bool) -> 
     return timed("weight publication", run)
 
 
-def check_served_weights(url: str, checkpoint: Path, initial: Path, *, temperature: float, dtype: str,
-                         device: str = "cpu") -> list[Check]:  # fmt: skip
+def check_served_weights(
+    url: str, checkpoint: Path, initial: Path, *, temperature: float, dtype: str, device: str = "cpu"
+) -> list[Check]:
     """`served weights`: server vs checkpoint within `TOLERANCE[dtype]`; `weights moved`: the checkpoint
     differs from the initial model by more than that (else a stale server would pass too)."""
     tolerance = TOLERANCE[dtype]
@@ -137,16 +138,20 @@ def check_served_weights(url: str, checkpoint: Path, initial: Path, *, temperatu
         trainer_lp = reference_logprobs(checkpoint, prompt, output, temperature, device)
         probe.update(prompt=prompt, output=output, trainer=trainer_lp)
         diff = max_abs_diff(server_lp, trainer_lp)
-        return diff <= tolerance, f"max |server - trainer| logprob {diff:.2e} over {len(output)} tokens " \
-                                  f"(tolerance {tolerance:g}, {dtype})"  # fmt: skip
+        return (
+            diff <= tolerance,
+            f"max |server - trainer| logprob {diff:.2e} over {len(output)} tokens (tolerance {tolerance:g}, {dtype})",
+        )
 
     def moved() -> tuple[bool, str]:
         if not probe:
             return False, "no probe (the served-weights check failed to run)"
         before = reference_logprobs(initial, probe["prompt"], probe["output"], temperature, device)
         diff = max_abs_diff(before, probe["trainer"])
-        return diff > tolerance, f"max |last - initial| logprob {diff:.2e} (must exceed {tolerance:g}; " \
-                                 "raise trainer.optimizer.lr if not)"  # fmt: skip
+        return (
+            diff > tolerance,
+            f"max |last - initial| logprob {diff:.2e} (must exceed {tolerance:g}; raise trainer.optimizer.lr if not)",
+        )
 
     return [timed("served weights", served), timed("weights moved", moved)]
 
@@ -164,8 +169,12 @@ def probe_server(url: str, model_dir: Path, temperature: float) -> tuple[list[in
     from pipeline.engine.client import EngineClient
 
     prompt = list(AutoTokenizer.from_pretrained(model_dir)(PROBE_TEXT)["input_ids"])
-    params = {"max_new_tokens": PROBE_TOKENS, "temperature": temperature, "ignore_eos": True,
-              "sampling_seed": PROBE_SEED}  # fmt: skip
+    params = {
+        "max_new_tokens": PROBE_TOKENS,
+        "temperature": temperature,
+        "ignore_eos": True,
+        "sampling_seed": PROBE_SEED,
+    }
 
     async def generate() -> tuple[list[int], list[float]]:
         async with EngineClient([url], health_interval_s=0) as client:
@@ -176,8 +185,9 @@ def probe_server(url: str, model_dir: Path, temperature: float) -> tuple[list[in
     return prompt, output, logprobs
 
 
-def reference_logprobs(model_dir: Path, prompt: list[int], output: list[int], temperature: float,
-                       device: str = "cpu") -> list[float]:  # fmt: skip
+def reference_logprobs(
+    model_dir: Path, prompt: list[int], output: list[int], temperature: float, device: str = "cpu"
+) -> list[float]:
     """The trainer's log-probabilities of `output` after `prompt`: fp32, logits scaled as in training."""
     import torch
     from transformers import AutoModelForCausalLM

@@ -52,9 +52,15 @@ LLAMA3_SPECIAL_TOKENS = (BEGIN_OF_TEXT, START_HEADER, END_HEADER, EOT_ID, PYTHON
 # Markup the model writes as text: special=False (as in Qwen2.5/Qwen3), so tool calls and
 # reasoning survive decode(skip_special_tokens=True) and reach the parsers.
 MARKUP_TOKENS = (
-    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-    "<tools>", "</tools>", "<think>", "</think>",
-)  # fmt: skip
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<tools>",
+    "</tools>",
+    "<think>",
+    "</think>",
+)
 
 _HEADS = 4
 _KV_HEADS = 2
@@ -207,8 +213,12 @@ def _token_ids(tokenizer: Any, template: Template) -> dict[str, Any]:
     tid = tokenizer.token_to_id
     if template == "llama3":
         # Llama 3.1 Instruct: bos <|begin_of_text|>, turns end with <|eot_id|>
-        return {"bos": tid(BEGIN_OF_TEXT), "eos": tid(EOT_ID), "eos_all": [tid(EOT_ID), tid(ENDOFTEXT)],
-                "pad": tid(ENDOFTEXT)}  # fmt: skip
+        return {
+            "bos": tid(BEGIN_OF_TEXT),
+            "eos": tid(EOT_ID),
+            "eos_all": [tid(EOT_ID), tid(ENDOFTEXT)],
+            "pad": tid(ENDOFTEXT),
+        }
     # Qwen2.5 Instruct: config bos = <|endoftext|>, eos = <|im_end|>, generation stops on both
     return {"bos": tid(ENDOFTEXT), "eos": tid(IM_END), "eos_all": [tid(IM_END), tid(ENDOFTEXT)], "pad": tid(ENDOFTEXT)}
 

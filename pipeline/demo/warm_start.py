@@ -56,8 +56,10 @@ def load_corpus(path: Path) -> list[tuple[list[dict[str, Any]], str]]:
     for number, row in numbered_jsonl(Path(path)):
         messages, reply = row.get("messages"), row.get("reply")
         if not isinstance(messages, list) or not messages or not isinstance(reply, str) or not reply:
-            raise ArlError(f"{path}:{number}: a warm-start row needs 'messages' (a non-empty list of chat "
-                           f"messages) and 'reply' (a non-empty string); got keys {sorted(row)}")  # fmt: skip
+            raise ArlError(
+                f"{path}:{number}: a warm-start row needs 'messages' (a non-empty list of chat "
+                f"messages) and 'reply' (a non-empty string); got keys {sorted(row)}"
+            )
         rows.append((messages, reply))
     if not rows:
         raise ArlError(f"warm-start corpus {path} has no rows")
@@ -102,15 +104,24 @@ def warm_start(
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         for _ in range(steps):
-            ids, mask = _batch([encoded[rng.randrange(len(encoded))] for _ in range(batch_size)],
-                               tokenizer.pad_token_id)  # fmt: skip
+            ids, mask = _batch(
+                [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)], tokenizer.pad_token_id
+            )
             loss = _loss(model, ids, mask)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             losses.append(float(loss.detach()))
-    result = WarmStartResult(corpus=str(corpus), rows=len(rows), steps=steps, batch_size=batch_size, lr=lr,
-                             seed=seed, first_loss=losses[0], last_loss=losses[-1])  # fmt: skip
+    result = WarmStartResult(
+        corpus=str(corpus),
+        rows=len(rows),
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+        first_loss=losses[0],
+        last_loss=losses[-1],
+    )
     _save_in_place(model, model_dir, result)
     return result
 

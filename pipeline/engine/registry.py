@@ -60,8 +60,10 @@ def retire_entry(paths: RunPaths, name: str, entry: InferenceEntry, why: str) ->
     The note tells a trainer waiting for that server to come back after a failed swap that it never will
     (`retired_since`). Used by a relaunched inference stage for the servers of an attempt that ended.
     """
-    write_json_atomic(paths.retired_entry(name), {"server": name, "url": entry.url, "started_at": entry.started_at,
-                                                  "attempt": entry.attempt, "why": why})  # fmt: skip
+    write_json_atomic(
+        paths.retired_entry(name),
+        {"server": name, "url": entry.url, "started_at": entry.started_at, "attempt": entry.attempt, "why": why},
+    )
     remove_entry(paths, name)
     log.warning("retired registry entry %s (%s): %s", name, entry.url, why)
 

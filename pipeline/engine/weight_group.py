@@ -41,8 +41,9 @@ def init_weight_group(
         return _join(master_address, master_port, rank, world_size, group_name, backend, timeout)
 
 
-def _join(master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str,
-          timeout: timedelta) -> Any:  # fmt: skip
+def _join(
+    master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str, timeout: timedelta
+) -> Any:
     import torch.distributed.distributed_c10d as c10d
     from torch.distributed import TCPStore
 

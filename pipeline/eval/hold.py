@@ -39,9 +39,15 @@ def hold_for_evaluation(paths: RunPaths, config: ArlConfig, version: int) -> flo
     while not evaluated(paths, config, version):
         if time.monotonic() - started > timeout:
             missing = [s.name for s in config.eval.sets if not is_recorded(paths, version, s.name)]
-            log.warning("the evaluation of version %d is not recorded after eval.hold_timeout_s=%.0fs (sets %s; "
-                        "see logs/rollout/): going on without it; `arl eval RUN_DIR --step %d` evaluates the "
-                        "checkpoint offline if it is kept", version, timeout, ", ".join(missing), version)  # fmt: skip
+            log.warning(
+                "the evaluation of version %d is not recorded after eval.hold_timeout_s=%.0fs (sets %s; "
+                "see logs/rollout/): going on without it; `arl eval RUN_DIR --step %d` evaluates the "
+                "checkpoint offline if it is kept",
+                version,
+                timeout,
+                ", ".join(missing),
+                version,
+            )
             break
         time.sleep(_POLL_S)
     return time.monotonic() - started

@@ -78,9 +78,14 @@ class InRunEvaluation:
         for version in self.versions:
             served = await self._served_at_least(version)
             if served > version:
-                log.warning("version %d is not evaluated: the engines already serve version %d (its evaluation was "
-                            "not recorded before the trainer went on); `arl eval RUN_DIR --step %d` evaluates its "
-                            "checkpoint offline if it is kept", version, served, version)  # fmt: skip
+                log.warning(
+                    "version %d is not evaluated: the engines already serve version %d (its evaluation was "
+                    "not recorded before the trainer went on); `arl eval RUN_DIR --step %d` evaluates its "
+                    "checkpoint offline if it is kept",
+                    version,
+                    served,
+                    version,
+                )
                 continue
             await self._evaluate(version)
 
@@ -91,9 +96,13 @@ class InRunEvaluation:
             result = await evaluate_set(spec, self.config, self.where, version)
             foreign = sorted({v for row in result.rows for v in row.versions if v >= 0 and v != version})
             if foreign:
-                log.warning("evaluation of version %d on %s is not recorded: some of its tokens were sampled by "
-                            "version(s) %s (the trainer published during it: eval.hold_timeout_s ran out)",
-                            version, spec.name, foreign)  # fmt: skip
+                log.warning(
+                    "evaluation of version %d on %s is not recorded: some of its tokens were sampled by "
+                    "version(s) %s (the trainer published during it: eval.hold_timeout_s ran out)",
+                    version,
+                    spec.name,
+                    foreign,
+                )
                 continue
             record(self.paths, self.config, result, f"engines at version {version}")
             if self.sinks is not None:
@@ -115,14 +124,18 @@ class InRunEvaluation:
                     f"the evaluation of version {version} waited {self.config.rollout.wait_timeout_s:.0f}s after the "
                     f"last step for that version in {self.paths.weight_version} (published: {published}), produced "
                     f"by the train stage; see its log: {self.paths.latest_log('train')}"
-                )  # fmt: skip
+                )
             await asyncio.sleep(_POLL_S)
 
 
 def summary_line(result: SetResult) -> str:
     f = result.figures
-    extra = " · ".join(f"{k} {v:.3f}" for k, v in sorted(f.items())
-                       if k.startswith(("pass@", "agent/")) and isinstance(v, int | float))  # fmt: skip
+    extra = " · ".join(
+        f"{k} {v:.3f}" for k, v in sorted(f.items()) if k.startswith(("pass@", "agent/")) and isinstance(v, int | float)
+    )
     reward = "n/a" if f.get("reward_mean") is None else f"{f['reward_mean']:.3f}"
-    return (f"evaluation of version {result.version} on {result.name}: reward {reward}"
-            + (f" · {extra}" if extra else "") + f" ({f.get('prompts')} prompts x {f.get('num_samples')})")
+    return (
+        f"evaluation of version {result.version} on {result.name}: reward {reward}"
+        + (f" · {extra}" if extra else "")
+        + f" ({f.get('prompts')} prompts x {f.get('num_samples')})"
+    )

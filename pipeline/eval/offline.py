@@ -29,8 +29,7 @@ from pipeline.run.paths import RunPaths, is_adapter_dir, parse_step_name
 from schemas.config import ArlConfig, EvalSetConfig
 
 
-def eval_command(run_dir: Path, *, step: int | None, checkpoint: Path | None, set_name: str | None,
-                 fmt: str) -> int:  # fmt: skip
+def eval_command(run_dir: Path, *, step: int | None, checkpoint: Path | None, set_name: str | None, fmt: str) -> int:
     """Check the arguments (one-line errors, before anything starts), evaluate, write, print."""
     from pipeline.run.config import config_from_run_dir
 
@@ -57,14 +56,17 @@ def eval_command(run_dir: Path, *, step: int | None, checkpoint: Path | None, se
 def pick_sets(config: ArlConfig, name: str | None) -> list[EvalSetConfig]:
     sets = config.eval.sets
     if not sets:
-        raise ArlError("the run's config has no evaluation sets: add `eval.sets` (a name and a path each; "
-                       "docs/evaluation.md) and resume the run, or launch one with them")  # fmt: skip
+        raise ArlError(
+            "the run's config has no evaluation sets: add `eval.sets` (a name and a path each; "
+            "docs/evaluation.md) and resume the run, or launch one with them"
+        )
     if name is None:
         return list(sets)
     chosen = [s for s in sets if s.name == name]
     if not chosen:
-        raise ArlError(f"no evaluation set named {name!r} in the run's config; it has: "
-                       f"{', '.join(s.name for s in sets)}")  # fmt: skip
+        raise ArlError(
+            f"no evaluation set named {name!r} in the run's config; it has: {', '.join(s.name for s in sets)}"
+        )
     return chosen
 
 
@@ -73,12 +75,16 @@ def pick_weights(paths: RunPaths, config: ArlConfig, step: int | None, checkpoin
     complete = paths.complete_checkpoints()
     if checkpoint is not None:
         if not (checkpoint / "config.json").is_file() and not is_adapter_dir(checkpoint):
-            raise ArlError(f"--checkpoint {checkpoint}: not a model directory (no config.json) nor a LoRA "
-                           "checkpoint (no adapter_config.json)")  # fmt: skip
+            raise ArlError(
+                f"--checkpoint {checkpoint}: not a model directory (no config.json) nor a LoRA "
+                "checkpoint (no adapter_config.json)"
+            )
         version = parse_step_name(checkpoint.resolve().name)
         if version is None:
-            raise ArlError(f"--checkpoint {checkpoint}: its name must be the checkpoint's, step_<version> "
-                           "(e.g. step_000040), so the results can name the version")  # fmt: skip
+            raise ArlError(
+                f"--checkpoint {checkpoint}: its name must be the checkpoint's, step_<version> "
+                "(e.g. step_000040), so the results can name the version"
+            )
         return str(checkpoint.resolve()), version
     if step is None:
         return (str(paths.weights_dir(complete[-1])), complete[-1]) if complete else (config.model.path, 0)
@@ -86,13 +92,16 @@ def pick_weights(paths: RunPaths, config: ArlConfig, step: int | None, checkpoin
         return config.model.path, 0
     if step not in complete:
         kept = ", ".join(map(str, complete)) or "none"
-        raise ArlError(f"no complete checkpoint of version {step} in {paths.checkpoints} (complete: {kept}; "
-                       "trainer.keep_checkpoints decides how many are kept)")  # fmt: skip
+        raise ArlError(
+            f"no complete checkpoint of version {step} in {paths.checkpoints} (complete: {kept}; "
+            "trainer.keep_checkpoints decides how many are kept)"
+        )
     return str(paths.weights_dir(step)), step
 
 
-async def evaluate_checkpoint(paths: RunPaths, config: ArlConfig, sets: list[EvalSetConfig], model_path: str,
-                              version: int) -> list[SetResult]:  # fmt: skip
+async def evaluate_checkpoint(
+    paths: RunPaths, config: ArlConfig, sets: list[EvalSetConfig], model_path: str, version: int
+) -> list[SetResult]:
     """Start an engine on the weights and a proxy before it, evaluate every set in turn, stop both."""
     from pipeline.engine.client import EngineClient
     from pipeline.engine.inference.servers import start_server, wait_healthy
@@ -108,13 +117,24 @@ async def evaluate_checkpoint(paths: RunPaths, config: ArlConfig, sets: list[Eva
         adapter = server.adapter[0] if server.adapter else None  # a LoRA checkpoint: base + this adapter
         with httpx.Client() as client:
             await asyncio.to_thread(load_adapter, client, server)
-        async with EngineClient([server.url], request_timeout_s=config.inference.request_timeout_s,
-                                adapter=(lambda: adapter) if adapter else None) as engine:  # fmt: skip
-            proxy = ProxyServer(config.model, config.proxy.model_copy(update={"port": 0}), engine,
-                                admin_key="arl-eval-" + secrets.token_urlsafe(16))  # fmt: skip
+        async with EngineClient(
+            [server.url],
+            request_timeout_s=config.inference.request_timeout_s,
+            adapter=(lambda: adapter) if adapter else None,
+        ) as engine:
+            proxy = ProxyServer(
+                config.model,
+                config.proxy.model_copy(update={"port": 0}),
+                engine,
+                admin_key="arl-eval-" + secrets.token_urlsafe(16),
+            )
             url = await proxy.start()
-            http = agent_http_client(max(s.run_timeout_s for s in sets) + 60, proxy_url=url, proxy_app=proxy.app,
-                                     transport=config.rollout.agent_transport)  # fmt: skip
+            http = agent_http_client(
+                max(s.run_timeout_s for s in sets) + 60,
+                proxy_url=url,
+                proxy_app=proxy.app,
+                transport=config.rollout.agent_transport,
+            )
             try:
                 where = Where(proxy.control, url, http)
                 return [await evaluate_set(spec, config, where, version) for spec in sets]
@@ -129,8 +149,10 @@ def print_results(results: list[SetResult], fmt: str, model_path: str) -> None:
     from pipeline.run.console import people_console
 
     if fmt == "json":
-        lines = [{"step": r.version, **metrics_line(r.version, r.name, {**r.figures, "weights": model_path})}
-                 for r in results]  # fmt: skip
+        lines = [
+            {"step": r.version, **metrics_line(r.version, r.name, {**r.figures, "weights": model_path})}
+            for r in results
+        ]
         print(json.dumps(lines, indent=2))
         return
     from rich.table import Table
@@ -141,8 +163,14 @@ def print_results(results: list[SetResult], fmt: str, model_path: str) -> None:
         table.add_column(column, justify="left" if column == "set" else "right")
     for r in results:
         f = r.figures
-        table.add_row(r.name, str(f["prompts"]), str(f["runs"]), str(f["failed_runs"]), _num(f["reward_mean"]),
-                      *(_num(f.get(k)) for k in keys))  # fmt: skip
+        table.add_row(
+            r.name,
+            str(f["prompts"]),
+            str(f["runs"]),
+            str(f["failed_runs"]),
+            _num(f["reward_mean"]),
+            *(_num(f.get(k)) for k in keys),
+        )
     people_console().print(table)
 
 

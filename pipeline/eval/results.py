@@ -33,8 +33,15 @@ def record(paths: RunPaths, config: ArlConfig, result: SetResult, weights: str) 
     tokenizer = config.model.tokenizer or config.model.path
     rows = sorted(result.rows, key=sort_key)
     extra = {**result.figures, "weights": weights}
-    write_step(paths, result.version, rows, producer="eval", tokenizer=tokenizer, extra=extra,
-               dest=paths.eval_dir(result.version, result.name))  # fmt: skip
+    write_step(
+        paths,
+        result.version,
+        rows,
+        producer="eval",
+        tokenizer=tokenizer,
+        extra=extra,
+        dest=paths.eval_dir(result.version, result.name),
+    )
     # `step` (the JSONL sinks' key) is the version: one line per (version, set), a later evaluation after it.
     JsonlSink(paths.eval_metrics).log(result.version, metrics_line(result.version, result.name, extra))
 
@@ -102,8 +109,9 @@ def evaluation_lines(paths: RunPaths, *, last: int = 6) -> list[str]:
     lines = []
     for record in latest_evaluations(paths)[-last:]:
         figures = [f"reward {_fmt(record.get('reward_mean'))}"]
-        figures += [f"{key} {_fmt(value)}" for key, value in sorted(record.items())
-                    if key.startswith(("pass@", "agent/"))]  # fmt: skip
+        figures += [
+            f"{key} {_fmt(value)}" for key, value in sorted(record.items()) if key.startswith(("pass@", "agent/"))
+        ]
         size = f"{record.get('prompts', '?')} prompts x {record.get('num_samples', '?')}"
         lines.append(f"  version {record['version']:<5} {record['set']:<16} " + " · ".join(figures) + f"  ({size})")
     return lines

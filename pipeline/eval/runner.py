@@ -53,8 +53,9 @@ class Where:
 
 
 def set_sampling(spec: EvalSetConfig, config: ArlConfig) -> SamplingOverride:
-    return SamplingOverride(temperature=spec.effective_temperature(config.rollout.temperature), top_p=spec.top_p,
-                            max_tokens=spec.max_tokens)  # fmt: skip
+    return SamplingOverride(
+        temperature=spec.effective_temperature(config.rollout.temperature), top_p=spec.top_p, max_tokens=spec.max_tokens
+    )
 
 
 def set_agent_kwargs(spec: EvalSetConfig, config: ArlConfig) -> dict[str, Any]:
@@ -88,9 +89,17 @@ async def evaluate_set(spec: EvalSetConfig, config: ArlConfig, where: Where, ver
     return SetResult(spec.name, version, figures, runs, rows)
 
 
-async def _run(spec: EvalSetConfig, config: ArlConfig, where: Where, executor: Executor, sampling: SamplingOverride,
-               data: dict[str, Any], index: int, sample: int,
-               version: int) -> tuple[RunResult, list[TrajectoryRow]]:  # fmt: skip
+async def _run(
+    spec: EvalSetConfig,
+    config: ArlConfig,
+    where: Where,
+    executor: Executor,
+    sampling: SamplingOverride,
+    data: dict[str, Any],
+    index: int,
+    sample: int,
+    version: int,
+) -> tuple[RunResult, list[TrajectoryRow]]:
     metadata = {"eval_set": spec.name, "dataset_index": index, "run_index": sample, "version": version}
     temperature = sampling.temperature if sampling.temperature is not None else 1.0
     plan = SessionPlan(f"eval-{spec.name}-v{version}-p{index}", metadata, spec.run_timeout_s, temperature, sampling)

@@ -42,8 +42,9 @@ def succeeded(run: RunResult, success_metric: str | None, success_reward: float)
     return run.reward >= success_reward
 
 
-def summarize(runs: list[RunResult], *, ks: list[int], success_metric: str | None,
-              success_reward: float) -> dict[str, Any]:  # fmt: skip
+def summarize(
+    runs: list[RunResult], *, ks: list[int], success_metric: str | None, success_reward: float
+) -> dict[str, Any]:
     """The set's figures: prompts, runs, failed runs, reward mean, pass@k for each k, and `agent/<name>` means.
 
     A failed run (an error, a timeout, a rejection) counts as a run without success and without reward."""
@@ -52,14 +53,17 @@ def summarize(runs: list[RunResult], *, ks: list[int], success_metric: str | Non
         by_prompt.setdefault(run.prompt, []).append(run)
     rewards = [r.reward for r in runs if r.reward is not None]
     out: dict[str, Any] = {
-        "prompts": len(by_prompt), "runs": len(runs), "failed_runs": sum(r.reward is None for r in runs),
+        "prompts": len(by_prompt),
+        "runs": len(runs),
+        "failed_runs": sum(r.reward is None for r in runs),
         "reward_mean": statistics.fmean(rewards) if rewards else None,
-    }  # fmt: skip
+    }
     for k in ks:
         estimates = [
             pass_at_k(len(group), sum(succeeded(r, success_metric, success_reward) for r in group), k)
-            for group in by_prompt.values() if len(group) >= k
-        ]  # fmt: skip
+            for group in by_prompt.values()
+            if len(group) >= k
+        ]
         out[f"pass@{k}"] = statistics.fmean(estimates) if estimates else None
     names = sorted({name for r in runs for name in r.metrics})
     for name in names:

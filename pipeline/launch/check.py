@@ -69,8 +69,10 @@ def _inside(workdir: Path | None) -> Iterator[None]:
         yield
         return
     if not Path(workdir).is_dir():
-        raise ArlError(f"cluster.workdir={str(workdir)!r}: no such directory here; the jobs start there, so it must "
-                       "be a directory on a file system the nodes and this machine share")  # fmt: skip
+        raise ArlError(
+            f"cluster.workdir={str(workdir)!r}: no such directory here; the jobs start there, so it must "
+            "be a directory on a file system the nodes and this machine share"
+        )
     before = Path.cwd()
     os.chdir(workdir)
     try:
@@ -88,14 +90,19 @@ def warn_if_python_not_shared(config: ArlConfig, console: Console) -> None:
     existing = next(p for p in (root, *root.parents) if p.exists())
     interpreter = Path(sys.executable)
     if interpreter.stat().st_dev != existing.stat().st_dev:
-        console.print(f"warning: the jobs will run {interpreter} (this launch's interpreter), which is not on the "
-                      f"file system of fileroot ({existing}): if the nodes do not see it at that path, set "
-                      "cluster.python (e.g. python, with a cluster.setup line activating a venv they see)",
-                      markup=False, highlight=False, style="yellow")  # fmt: skip
+        console.print(
+            f"warning: the jobs will run {interpreter} (this launch's interpreter), which is not on the "
+            f"file system of fileroot ({existing}): if the nodes do not see it at that path, set "
+            "cluster.python (e.g. python, with a cluster.setup line activating a venv they see)",
+            markup=False,
+            highlight=False,
+            style="yellow",
+        )
 
 
-def check_command(config_path: Path | None, overrides: list[str], *, executor: str,
-                  console: Console | None = None) -> int:  # fmt: skip
+def check_command(
+    config_path: Path | None, overrides: list[str], *, executor: str, console: Console | None = None
+) -> int:
     """`arl check`: the table, then the problems one per line; 0 when there are none, else 2."""
     from pipeline.run.config import load_config
 

@@ -49,8 +49,10 @@ def launch(
     if executor not in EXECUTORS:
         raise ArlError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
     if dry_run and prepare:
-        raise ArlError("pass --dry-run (print the scripts, write nothing under fileroot) or --prepare (create the "
-                       "run dir and its scripts for plain sbatch), not both")  # fmt: skip
+        raise ArlError(
+            "pass --dry-run (print the scripts, write nothing under fileroot) or --prepare (create the "
+            "run dir and its scripts for plain sbatch), not both"
+        )
     console = Console(soft_wrap=True)
     config, paths = resolve_run(Path(config_path), overrides, resume=resume, clean=clean)
     # Relative paths in the config (model, data) mean the same to every job: they all start in `workdir`.
@@ -69,8 +71,10 @@ def launch(
             console.print("every stage is still running: nothing to relaunch (`arl status` shows them)")
             return 0
     if resume and not prepare and (done := finished_version(paths)) >= config.num_steps:
-        console.print(f"the run is already complete (weight version {done} >= num_steps={config.num_steps}); "
-                      "pass num_steps=<more> with --resume to train further")  # fmt: skip
+        console.print(
+            f"the run is already complete (weight version {done} >= num_steps={config.num_steps}); "
+            "pass num_steps=<more> with --resume to train further"
+        )
         return 0
     fresh = not paths.root.exists() or clean
     create_run_dir(config, paths, clean=clean)
@@ -87,8 +91,16 @@ def launch(
     return 0
 
 
-def submit_all(plans: list[StagePlan], config: ArlConfig, paths: RunPaths, attempts: dict[str, int], *,
-               workdir: Path, console: Console, fresh: bool = False) -> list[JobRecord]:  # fmt: skip
+def submit_all(
+    plans: list[StagePlan],
+    config: ArlConfig,
+    paths: RunPaths,
+    attempts: dict[str, int],
+    *,
+    workdir: Path,
+    console: Console,
+    fresh: bool = False,
+) -> list[JobRecord]:
     """Submit every stage job, recording each in `jobs.json` as soon as Slurm accepted it.
 
     When one is refused, the jobs this launch already submitted are cancelled, and a run dir this launch
@@ -131,30 +143,50 @@ def _undo_submission(records: list[JobRecord], paths: RunPaths, *, fresh: bool) 
     return "Nothing is left running: " + "; ".join(done)
 
 
-def write_dry_run(plans: list[StagePlan], config: ArlConfig, paths: RunPaths, attempts: dict[str, int], *,
-                  workdir: Path, out: Path, console: Console) -> int:  # fmt: skip
+def write_dry_run(
+    plans: list[StagePlan],
+    config: ArlConfig,
+    paths: RunPaths,
+    attempts: dict[str, int],
+    *,
+    workdir: Path,
+    out: Path,
+    console: Console,
+) -> int:
     """Write each stage's sbatch script and the resolved config under `out`, print them; nothing else is written."""
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "config.yaml", dump_config(config))
     scripts = []
     for plan in plans:
         path = out / f"{plan.stage}.sbatch"
-        write_text_atomic(path, render_sbatch(plan, config, paths, attempt=attempts[plan.stage], workdir=workdir,
-                                              script_path=path))  # fmt: skip
+        write_text_atomic(
+            path, render_sbatch(plan, config, paths, attempt=attempts[plan.stage], workdir=workdir, script_path=path)
+        )
         scripts.append(path)
         console.print(f"# ---- {path}", markup=False, highlight=False)  # a rule would cut a long path short
         console.print(path.read_text(), markup=False, highlight=False, soft_wrap=True)
     console.print("# ----", markup=False, highlight=False)
-    console.print(f"dry run: nothing submitted, nothing written under fileroot; the scripts and the resolved config "
-                  f"are in {out}")  # fmt: skip
-    console.print(f"to submit by hand: the same arl launch command with --prepare instead of --dry-run creates the "
-                  f"run dir {paths.root} and writes these scripts into it; then sbatch them in any order",
-                  markup=False, highlight=False)  # fmt: skip
+    console.print(
+        f"dry run: nothing submitted, nothing written under fileroot; the scripts and the resolved config are in {out}"
+    )
+    console.print(
+        f"to submit by hand: the same arl launch command with --prepare instead of --dry-run creates the "
+        f"run dir {paths.root} and writes these scripts into it; then sbatch them in any order",
+        markup=False,
+        highlight=False,
+    )
     return 0
 
 
-def write_prepared(plans: list[StagePlan], config: ArlConfig, paths: RunPaths, attempts: dict[str, int], *,
-                   workdir: Path, console: Console) -> int:  # fmt: skip
+def write_prepared(
+    plans: list[StagePlan],
+    config: ArlConfig,
+    paths: RunPaths,
+    attempts: dict[str, int],
+    *,
+    workdir: Path,
+    console: Console,
+) -> int:
     """`--prepare`: the run dir exists; write one sbatch script per stage into it and say how to submit them."""
     scripts = []
     for plan in plans:
@@ -207,6 +239,8 @@ def _states_once_settled(records: list[JobRecord], deadline_s: float = 180.0) ->
         if not ending:
             return states
         if time.monotonic() - start > deadline_s:
-            raise WaitTimeout(f"--resume waited {deadline_s:.0f} s for Slurm to finish ending "
-                              f"{', '.join(ending)}; check `squeue` and retry")  # fmt: skip
+            raise WaitTimeout(
+                f"--resume waited {deadline_s:.0f} s for Slurm to finish ending "
+                f"{', '.join(ending)}; check `squeue` and retry"
+            )
         time.sleep(2.0)

@@ -48,8 +48,15 @@ class Running:
     log_handle: IO[bytes]
 
 
-def run_local(plans: list[StagePlan], paths: RunPaths, attempts: dict[str, int], *, workdir: Path,
-              grace_s: float = GRACE_S, console: Console | None = None) -> int:  # fmt: skip
+def run_local(
+    plans: list[StagePlan],
+    paths: RunPaths,
+    attempts: dict[str, int],
+    *,
+    workdir: Path,
+    grace_s: float = GRACE_S,
+    console: Console | None = None,
+) -> int:
     """Start every stage, supervise them, stop them all on the way out; the run's exit status."""
     console = console or people_console()
     running: list[Running] = []
@@ -78,15 +85,40 @@ def start_stage(plan: StagePlan, paths: RunPaths, attempt: int, *, workdir: Path
     log = paths.stage_log(plan.stage, attempt)
     log.parent.mkdir(parents=True, exist_ok=True)
     handle = open(log, "ab")  # noqa: SIM115 - closed when the process ends (stop_stages / _reap)
-    handle.write(f"arl: stage {plan.stage} attempt {attempt} on {socket.gethostname()} at "
-                 f"{time.strftime('%Y-%m-%dT%H:%M:%S')}: {shlex.join(plan.argv)}\n".encode())  # fmt: skip
+    handle.write(
+        f"arl: stage {plan.stage} attempt {attempt} on {socket.gethostname()} at "
+        f"{time.strftime('%Y-%m-%dT%H:%M:%S')}: {shlex.join(plan.argv)}\n".encode()
+    )
     handle.flush()
-    env = {**stage_threads(plan), **os.environ, **plan.env, "ARL_RUN_DIR": str(paths.root), "ARL_STAGE": plan.stage,
-           "ARL_ATTEMPT": str(attempt), "ARL_EXECUTOR": "local", "PYTHONUNBUFFERED": "1"}  # fmt: skip
-    proc = subprocess.Popen(plan.argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            cwd=workdir, env=env, start_new_session=True)  # fmt: skip
-    record = JobRecord(stage=plan.stage, attempt=attempt, executor="local", log=str(log), host=socket.gethostname(),
-                       command=shlex.join(plan.argv), pid=proc.pid, started_at=_create_time(proc.pid))  # fmt: skip
+    env = {
+        **stage_threads(plan),
+        **os.environ,
+        **plan.env,
+        "ARL_RUN_DIR": str(paths.root),
+        "ARL_STAGE": plan.stage,
+        "ARL_ATTEMPT": str(attempt),
+        "ARL_EXECUTOR": "local",
+        "PYTHONUNBUFFERED": "1",
+    }
+    proc = subprocess.Popen(
+        plan.argv,
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        cwd=workdir,
+        env=env,
+        start_new_session=True,
+    )
+    record = JobRecord(
+        stage=plan.stage,
+        attempt=attempt,
+        executor="local",
+        log=str(log),
+        host=socket.gethostname(),
+        command=shlex.join(plan.argv),
+        pid=proc.pid,
+        started_at=_create_time(proc.pid),
+    )
     add_record(paths, record)
     return Running(plan, record, proc, handle)
 
@@ -109,8 +141,10 @@ def supervise(running: list[Running], paths: RunPaths, console: Console, *, poll
                 return 130
             _print_steps(feed, console)
             if code != 0:
-                console.print(f"[red]stage {r.plan.stage} failed ({describe_exit(code)}); see its log: "
-                              f"{r.record.log}[/red]", soft_wrap=True)  # fmt: skip
+                console.print(
+                    f"[red]stage {r.plan.stage} failed ({describe_exit(code)}); see its log: {r.record.log}[/red]",
+                    soft_wrap=True,
+                )
                 _print_tail(console, Path(r.record.log))
                 return 1
             if r.plan.stage == "train":

@@ -101,11 +101,20 @@ def plan_run(config: ArlConfig, run_dir: Path, *, python: str | None = None) -> 
 
 def sbatch_directives(resources: StageResources) -> list[str]:
     """The resource options of one stage job, as `--key=value` (each becomes an `#SBATCH` line)."""
-    out = [f"--nodes={resources.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={resources.cpus_per_task}",
-           f"--time={resources.time_min}"]  # fmt: skip
-    optional = {"partition": resources.partition, "account": resources.account, "qos": resources.qos,
-                "constraint": resources.constraint, "nodelist": resources.nodelist,
-                "exclude": resources.exclude}  # fmt: skip
+    out = [
+        f"--nodes={resources.nodes}",
+        "--ntasks-per-node=1",
+        f"--cpus-per-task={resources.cpus_per_task}",
+        f"--time={resources.time_min}",
+    ]
+    optional = {
+        "partition": resources.partition,
+        "account": resources.account,
+        "qos": resources.qos,
+        "constraint": resources.constraint,
+        "nodelist": resources.nodelist,
+        "exclude": resources.exclude,
+    }
     out += [f"--{key}={shlex.quote(value)}" for key, value in optional.items() if value]
     if resources.gpus_per_node > 0:
         out.append(f"--gpus-per-node={resources.gpus_per_node}")

@@ -61,8 +61,12 @@ def check_model(config: ArlConfig, loaded: dict[str, Any] | None = None) -> Outc
     path = Path(model.path)
     if not (path / "config.json").is_file():
         why = "no such directory" if not path.exists() else "no config.json in it (not a Hugging Face model dir)"
-        return _fail("model.path", model.path, f"{why} (relative paths start at {Path.cwd()}); point it at a "
-                     "Hugging Face model directory on a shared file system")  # fmt: skip
+        return _fail(
+            "model.path",
+            model.path,
+            f"{why} (relative paths start at {Path.cwd()}); point it at a "
+            "Hugging Face model directory on a shared file system",
+        )
     from transformers import AutoConfig
 
     try:
@@ -74,8 +78,17 @@ def check_model(config: ArlConfig, loaded: dict[str, Any] | None = None) -> Outc
         tokenizer = _tokenizer(tokenizer_path, loaded)
     except Exception as exc:
         key = "model.tokenizer" if model.tokenizer else "model.path"
-        return Outcome("", problems=[Problem(key, tokenizer_path, f"the tokenizer does not load: {_first(exc)}; "
-                                             "set model.tokenizer to a directory with tokenizer files")])  # fmt: skip
+        return Outcome(
+            "",
+            problems=[
+                Problem(
+                    key,
+                    tokenizer_path,
+                    f"the tokenizer does not load: {_first(exc)}; "
+                    "set model.tokenizer to a directory with tokenizer files",
+                )
+            ],
+        )
     return Outcome("", detail=f"{type(hf_config).__name__.removesuffix('Config')}, vocabulary {len(tokenizer)}")
 
 
@@ -99,14 +112,27 @@ def check_template(config: ArlConfig, loaded: dict[str, Any] | None = None) -> O
     except Exception as exc:  # a template error is the finding, whatever its type
         return Outcome("", problems=[Problem(key, value, f"the chat template does not render: {_first(exc)}")])
     if extension is None:
-        return Outcome("", problems=[Problem(key, value, "the chat template is not prefix-stable: a second turn "
-                                             "re-renders the first one differently, so every turn would break the "
-                                             "recorded token prefix; set model.chat_template to a .jinja file that "
-                                             "renders earlier turns the same")])  # fmt: skip
+        return Outcome(
+            "",
+            problems=[
+                Problem(
+                    key,
+                    value,
+                    "the chat template is not prefix-stable: a second turn "
+                    "re-renders the first one differently, so every turn would break the "
+                    "recorded token prefix; set model.chat_template to a .jinja file that "
+                    "renders earlier turns the same",
+                )
+            ],
+        )
     tokens = chat.prompt_ids(first, None) + output + extension.suffix_ids
     if chat.hf.decode(tokens, skip_special_tokens=False) != whole:
-        return _fail(key, value, "tokens built turn by turn do not decode to the template's render of the "
-                     "conversation: capture would not be token-exact")  # fmt: skip
+        return _fail(
+            key,
+            value,
+            "tokens built turn by turn do not decode to the template's render of the "
+            "conversation: capture would not be token-exact",
+        )
     fast = "turn-local" if chat.turn_local else "full renders"
     return Outcome("", detail=f"token-exact over two turns ({fast}, {len(tokens)} tokens)")
 
@@ -203,8 +229,11 @@ def check_engine(config: ArlConfig, executor: str) -> Outcome:
     """With the local executor the servers start here: SGLang or vLLM must be importable by their interpreter."""
     backend = config.inference.backend
     if backend == "hf" or executor != "local":
-        return Outcome("", detail=f"{backend}" + ("" if backend == "hf" else " (started on the inference nodes)"),
-                       skipped=backend != "hf")  # fmt: skip
+        return Outcome(
+            "",
+            detail=f"{backend}" + ("" if backend == "hf" else " (started on the inference nodes)"),
+            skipped=backend != "hf",
+        )
     python = config.inference.python or sys.executable
     probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({backend!r}) is None)"
     try:
@@ -212,9 +241,18 @@ def check_engine(config: ArlConfig, executor: str) -> Outcome:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return Outcome("", problems=[Problem("inference.python", python, f"does not run: {exc}")])
     if not found:
-        return Outcome("", problems=[Problem("inference.backend", backend, f"{python} cannot import {backend}: "
-                                             f"install it (pip install -e '.[{backend}]') or set inference.python "
-                                             "to an interpreter that has it")])  # fmt: skip
+        return Outcome(
+            "",
+            problems=[
+                Problem(
+                    "inference.backend",
+                    backend,
+                    f"{python} cannot import {backend}: "
+                    f"install it (pip install -e '.[{backend}]') or set inference.python "
+                    "to an interpreter that has it",
+                )
+            ],
+        )
     return Outcome("", detail=f"{backend} importable by {python}")
 
 
@@ -225,8 +263,11 @@ def check_fileroot(config: ArlConfig) -> Outcome:
         return Outcome("", problems=[Problem("fileroot", config.fileroot, "exists and is not a directory")])
     existing = next(p for p in (root, *root.parents) if p.exists())
     if not os.access(existing, os.W_OK | os.X_OK):
-        return _fail("fileroot", config.fileroot, f"{existing} is not writable by {_user()}; choose a fileroot on a "
-                     "shared file system you can write")  # fmt: skip
+        return _fail(
+            "fileroot",
+            config.fileroot,
+            f"{existing} is not writable by {_user()}; choose a fileroot on a shared file system you can write",
+        )
     return Outcome("", detail=f"{root} ({'exists' if root.exists() else f'will be created under {existing}'})")
 
 

@@ -65,24 +65,27 @@ def prepare_run_dir(
     return config, paths
 
 
-def resolve_run(
-    config_path: Path, overrides: list[str], *, resume: bool, clean: bool
-) -> tuple[ArlConfig, RunPaths]:
+def resolve_run(config_path: Path, overrides: list[str], *, resume: bool, clean: bool) -> tuple[ArlConfig, RunPaths]:
     """The config to run with and the (absolute) run dir, checked but not touched: nothing is written."""
     if resume and clean:
         raise ArlError("pass either --resume (continue the run) or --clean (delete it and start over), not both")
     config = load_config(config_path, overrides)
-    paths = RunPaths(Path(os.path.abspath(RunPaths.from_config(config.fileroot, config.experiment_name,
-                                                               config.trial_name).root)))  # fmt: skip
+    paths = RunPaths(
+        Path(os.path.abspath(RunPaths.from_config(config.fileroot, config.experiment_name, config.trial_name).root))
+    )
     if resume:
         if not paths.root.exists():
-            raise ArlError(f"--resume: run dir {paths.root} does not exist, so there is nothing to resume; "
-                           "drop --resume to start a new run")  # fmt: skip
+            raise ArlError(
+                f"--resume: run dir {paths.root} does not exist, so there is nothing to resume; "
+                "drop --resume to start a new run"
+            )
         config = resumed_config(paths, config_path, overrides)
     elif has_run_data(paths):
         if not clean:
-            raise ArlError(f"run dir {paths.root} already exists: pass --resume to continue that run, or --clean "
-                           f"to delete it and start over (or choose another trial_name=...)")  # fmt: skip
+            raise ArlError(
+                f"run dir {paths.root} already exists: pass --resume to continue that run, or --clean "
+                f"to delete it and start over (or choose another trial_name=...)"
+            )
         refuse_if_running(paths, "--clean")
     return config, paths
 
@@ -111,21 +114,28 @@ def has_run_data(paths: RunPaths) -> bool:
 def resumed_config(paths: RunPaths, config_path: Path, overrides: list[str]) -> ArlConfig:
     """The frozen config, with `overrides` applied where that is safe; refuse a config that disagrees."""
     if not paths.config.exists():
-        raise ArlError(f"--resume: {paths.root} has no config.yaml, so it is not a run dir arl created; "
-                       "use --clean to start over there")  # fmt: skip
+        raise ArlError(
+            f"--resume: {paths.root} has no config.yaml, so it is not a run dir arl created; "
+            "use --clean to start over there"
+        )
     frozen = load_config(paths.config)
     given = load_config(config_path, overrides)
     unsafe = [d for d in differences(frozen, given) if not resumable(d[0])]
     if unsafe:
-        raise ArlError(f"--resume: {config_path} with these overrides differs from the run's frozen config "
-                       f"({paths.config}) in ways that change the results: {_describe(unsafe)}. Resume with the "
-                       "same config and overrides, or start a new trial (trial_name=...), or pass --clean")  # fmt: skip
+        raise ArlError(
+            f"--resume: {config_path} with these overrides differs from the run's frozen config "
+            f"({paths.config}) in ways that change the results: {_describe(unsafe)}. Resume with the "
+            "same config and overrides, or start a new trial (trial_name=...), or pass --clean"
+        )
     resumed = load_config(paths.config, overrides)  # the frozen config; only the overrides change it
     applied = {key for key, _, _ in differences(frozen, resumed)}
     kept = [key for key, _, _ in differences(frozen, given) if key not in applied]
     if kept:
-        log.warning("--resume keeps the frozen values of %s (changed only in the config file); pass key=value "
-                    "overrides to change them", ", ".join(kept))  # fmt: skip
+        log.warning(
+            "--resume keeps the frozen values of %s (changed only in the config file); pass key=value "
+            "overrides to change them",
+            ", ".join(kept),
+        )
     return resumed
 
 
@@ -162,8 +172,9 @@ def refuse_if_running(paths: RunPaths, action: str) -> None:
     live = [(r, states[(r.stage, r.attempt)]) for r in records if states[(r.stage, r.attempt)].alive]
     if live:
         jobs = ", ".join(f"{r.stage} ({r.job_id or 'pid ' + str(r.pid)}, {s.state})" for r, s in live)
-        raise ArlError(f"{action}: run {paths.root} still has live jobs: {jobs}. Stop them first with "
-                       f"`arl stop {paths.root}`")  # fmt: skip
+        raise ArlError(
+            f"{action}: run {paths.root} still has live jobs: {jobs}. Stop them first with `arl stop {paths.root}`"
+        )
 
 
 def remove_run_dir(root: Path) -> None:

@@ -42,10 +42,17 @@ def render_sbatch(
 
     path = template_dir() / TEMPLATE_NAME
     if not path.exists():
-        raise ArlError(f"sbatch template {path} is missing: reinstall arl (its wheel ships the template), or in a "
-                       "checkout restore slurm/ and the pipeline/slurm link to it")  # fmt: skip
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False,
-                             trim_blocks=True, lstrip_blocks=True)  # fmt: skip
+        raise ArlError(
+            f"sbatch template {path} is missing: reinstall arl (its wheel ships the template), or in a "
+            "checkout restore slurm/ and the pipeline/slurm link to it"
+        )
+    env = jinja2.Environment(
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
     template = env.from_string(path.read_text())
     command = submitit_command if submitit_command is not None else shlex.join(plan.argv)
     return template.render(

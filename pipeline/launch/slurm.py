@@ -77,10 +77,19 @@ def submit_stage(plan: StagePlan, config: ArlConfig, paths: RunPaths, *, attempt
     try:
         job = executor.submit(StageCommand(plan.argv, str(log)))
     except FailedJobError as exc:
-        raise ArlError(f"sbatch refused the {plan.stage} job: {str(exc).strip()}. Check cluster.{plan.stage} "
-                       "(partition, account, qos, gpus_per_node, time_min) against `sinfo`") from None  # fmt: skip
-    return JobRecord(stage=plan.stage, attempt=attempt, executor="slurm", log=str(log), host=socket.gethostname(),
-                     command=shlex.join(plan.argv), job_id=str(job.job_id))  # fmt: skip
+        raise ArlError(
+            f"sbatch refused the {plan.stage} job: {str(exc).strip()}. Check cluster.{plan.stage} "
+            "(partition, account, qos, gpus_per_node, time_min) against `sinfo`"
+        ) from None
+    return JobRecord(
+        stage=plan.stage,
+        attempt=attempt,
+        executor="slurm",
+        log=str(log),
+        host=socket.gethostname(),
+        command=shlex.join(plan.argv),
+        job_id=str(job.job_id),
+    )
 
 
 def submit_script(script: Path) -> str:

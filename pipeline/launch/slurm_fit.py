@@ -33,8 +33,16 @@ def check_slurm(config: ArlConfig, *, executor: str, submit: bool) -> Outcome:
         return Outcome("", detail="local executor: no Slurm", skipped=True)
     if not slurm_commands_here():
         if submit:
-            return Outcome("", problems=[Problem("--executor", "slurm", "no sbatch/sinfo on this machine: run on a "
-                                                 "Slurm login node, or pass --executor local")])  # fmt: skip
+            return Outcome(
+                "",
+                problems=[
+                    Problem(
+                        "--executor",
+                        "slurm",
+                        "no sbatch/sinfo on this machine: run on a Slurm login node, or pass --executor local",
+                    )
+                ],
+            )
         return Outcome("", detail="no Slurm commands here: not checked (dry run)", skipped=True)
     partitions = read_partitions()
     if not partitions:
@@ -77,13 +85,20 @@ def _proxy_cores(config: ArlConfig) -> list[Problem]:
     stage = "proxy" if config.rollout.source == "external" else "rollout"
     cpus = getattr(config.cluster, stage).cpus_per_task
     if config.proxy.workers > cpus:
-        return [Problem(f"cluster.{stage}.cpus_per_task", cpus, f"fewer CPUs than proxy.workers={config.proxy.workers}"
-                        f" (one core each): raise it to at least {config.proxy.workers}, or lower proxy.workers")]
+        return [
+            Problem(
+                f"cluster.{stage}.cpus_per_task",
+                cpus,
+                f"fewer CPUs than proxy.workers={config.proxy.workers}"
+                f" (one core each): raise it to at least {config.proxy.workers}, or lower proxy.workers",
+            )
+        ]
     return []
 
 
-def _stage_problems(stage: str, res: StageResources, partitions: dict[str, Partition],
-                    accounts: set[str] | None) -> list[Problem]:  # fmt: skip
+def _stage_problems(
+    stage: str, res: StageResources, partitions: dict[str, Partition], accounts: set[str] | None
+) -> list[Problem]:
     key = f"cluster.{stage}"
     part = partitions.get(res.partition) if res.partition else next((p for p in partitions.values() if p.default), None)
     if res.partition and part is None:
@@ -95,25 +110,41 @@ def _stage_problems(stage: str, res: StageResources, partitions: dict[str, Parti
             problems.append(Problem(f"{key}.nodes", res.nodes, f"{where} has {len(part.nodes)} node(s)"))
         most = max(part.gpus.values(), default=0)
         if res.gpus_per_node > most:
-            problems.append(Problem(f"{key}.gpus_per_node", res.gpus_per_node, f"no node of {where} has that many "
-                                    f"GPUs (most: {most}); CPU-only partitions need gpus_per_node: 0"))  # fmt: skip
+            problems.append(
+                Problem(
+                    f"{key}.gpus_per_node",
+                    res.gpus_per_node,
+                    f"no node of {where} has that many GPUs (most: {most}); CPU-only partitions need gpus_per_node: 0",
+                )
+            )
         for option in ("nodelist", "exclude"):
             value = getattr(res, option)
             unknown = [n for n in _hostnames(value) if n not in part.nodes] if value else []
             if unknown:
-                problems.append(Problem(f"{key}.{option}", value, f"{', '.join(unknown)} not in {where} "
-                                        f"({', '.join(part.nodes)})"))  # fmt: skip
+                problems.append(
+                    Problem(f"{key}.{option}", value, f"{', '.join(unknown)} not in {where} ({', '.join(part.nodes)})")
+                )
     if res.account and accounts is not None and res.account not in accounts:
-        problems.append(Problem(f"{key}.account", res.account, f"{getpass.getuser()} has no association with it "
-                                f"(sacctmgr lists: {', '.join(sorted(accounts)) or 'none'})"))  # fmt: skip
+        problems.append(
+            Problem(
+                f"{key}.account",
+                res.account,
+                f"{getpass.getuser()} has no association with it "
+                f"(sacctmgr lists: {', '.join(sorted(accounts)) or 'none'})",
+            )
+        )
     return problems
 
 
 def _user_accounts() -> set[str] | None:
     """The user's accounts per `sacctmgr`; None when accounting cannot be asked (then not checked)."""
     try:
-        proc = subprocess.run(["sacctmgr", "-n", "-P", "show", "assoc", f"user={getpass.getuser()}",
-                               "format=account"], capture_output=True, text=True, timeout=30)  # fmt: skip
+        proc = subprocess.run(
+            ["sacctmgr", "-n", "-P", "show", "assoc", f"user={getpass.getuser()}", "format=account"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if proc.returncode != 0:

@@ -56,7 +56,7 @@ def show_status(run_dir: str | Path, *, console: Console | None = None) -> int:
         trained = [r for r in recent if r.trained]
         lines = timeline_lines(trained[-1]) if trained else []
         if lines:
-            console.print(f"step {trained[-1].step} timeline, seconds (docs/operations.md, \"Step timeline\"):")
+            console.print(f'step {trained[-1].step} timeline, seconds (docs/operations.md, "Step timeline"):')
             for line in lines:
                 console.print(line, markup=False, highlight=False, soft_wrap=True)
     evaluations = evaluation_lines(paths)
@@ -75,16 +75,22 @@ def death_report(record: JobRecord, state: JobState, paths: RunPaths) -> list[st
     """What died where, and what to do: which job, on which node, whether that node is down now."""
     what = f"job {record.job_id}" if record.executor == "slurm" else f"pid {record.pid} on {record.host}"
     where = f" on {state.nodes}" if state.nodes else ""
-    lines = [f"stage {record.stage} died: {what} (attempt {record.attempt}) ended {state.state}{where}; "
-             f"{state.detail}; its log: {record.log}"]  # fmt: skip
-    resume = (f"`arl launch CONFIG --resume` (the run's config and overrides, from where it was launched; "
-              f"frozen in {paths.config})")  # fmt: skip
+    lines = [
+        f"stage {record.stage} died: {what} (attempt {record.attempt}) ended {state.state}{where}; "
+        f"{state.detail}; its log: {record.log}"
+    ]
+    resume = (
+        f"`arl launch CONFIG --resume` (the run's config and overrides, from where it was launched; "
+        f"frozen in {paths.config})"
+    )
     bad = unhealthy_nodes(state.nodes) if record.executor == "slurm" else {}
     if bad:
         lost = ",".join(bad)
         lines += [f"node {node} is {why} now" for node, why in bad.items()]
-        lines.append(f"what to do: once {lost} is back in service (`sinfo -n {lost}`), {resume}; or now, without "
-                     f"it: add cluster.{record.stage}.exclude={lost}")  # fmt: skip
+        lines.append(
+            f"what to do: once {lost} is back in service (`sinfo -n {lost}`), {resume}; or now, without "
+            f"it: add cluster.{record.stage}.exclude={lost}"
+        )
     elif state.state == "NODE_FAIL":
         lines.append(f"what to do: its node failed and is back in service now: {resume}")
     else:
@@ -171,8 +177,7 @@ def _jobs_table(newest: dict[str, JobRecord], states: dict[tuple[str, int], JobS
             table.add_row(*(row[header] for header, _ in columns))
         return table
 
-    kept = fit_columns(_JOB_COLUMNS, lambda cs: table_width(console, build(list(cs))), console.width,
-                       lambda c: c[1])  # fmt: skip
+    kept = fit_columns(_JOB_COLUMNS, lambda cs: table_width(console, build(list(cs))), console.width, lambda c: c[1])
     return build(kept)
 
 
@@ -187,6 +192,8 @@ def _progress_line(paths: RunPaths) -> str:
         version, trained = "? (unreadable state/weight_version.json)", ""
     checkpoints = paths.complete_checkpoints()
     step = steps[-1] if steps else "none yet"
-    return (f"newest complete step: {step} ({len(steps)} complete)\n"
-            f"weight version: {version}{trained}   newest checkpoint: "
-            f"{f'version {checkpoints[-1]}' if checkpoints else 'none'}")  # fmt: skip
+    return (
+        f"newest complete step: {step} ({len(steps)} complete)\n"
+        f"weight version: {version}{trained}   newest checkpoint: "
+        f"{f'version {checkpoints[-1]}' if checkpoints else 'none'}"
+    )

@@ -86,6 +86,7 @@ class PeerLog:
         client = scope.get("client") if scope.get("type") == "http" else None
         if client and client[0] not in self.seen and len(self.seen) < 1024:
             self.seen.add(client[0])
-            self.logger.info("%s: first request from %s (%s %s)", self.what, client[0], scope.get("method"),
-                             scope.get("path"))  # fmt: skip
+            self.logger.info(
+                "%s: first request from %s (%s %s)", self.what, client[0], scope.get("method"), scope.get("path")
+            )
         await self.app(scope, receive, send)

@@ -56,8 +56,7 @@ def sse_stream(event: dict[str, Any], *, done_marker: bool) -> dict[str, Any]:
     data: dict[str, Any] = {"type": "string", "contentMediaType": "application/json", "contentSchema": event}
     if done_marker:
         data = {"anyOf": [{"const": "[DONE]"}, data]}
-    schema = {"type": "object", "required": ["data"],
-              "properties": {"data": data, "event": {"type": "string"}}}  # fmt: skip
+    schema = {"type": "object", "required": ["data"], "properties": {"data": data, "event": {"type": "string"}}}
     return {"text/event-stream": {"schema": schema}}
 
 

@@ -48,13 +48,19 @@ def to_spec(req: MessagesRequest) -> CallSpec:
     for i, m in enumerate(req.messages):
         messages.extend(_convert(m, i))
     if req.messages[-1].role == "assistant":
-        raise bad_request("the last message is from the assistant: continuing a prefilled assistant turn is not "
-                          "supported by this proxy; end with a user message", param="messages")  # fmt: skip
+        raise bad_request(
+            "the last message is from the assistant: continuing a prefilled assistant turn is not "
+            "supported by this proxy; end with a user message",
+            param="messages",
+        )
     tools = []
     for i, t in enumerate(req.tools or []):
         if t.type not in (None, "custom"):
-            raise bad_request(f"tools[{i}]: server tool type {t.type!r} is not supported; define client tools "
-                              "with name, description and input_schema", param="tools")  # fmt: skip
+            raise bad_request(
+                f"tools[{i}]: server tool type {t.type!r} is not supported; define client tools "
+                "with name, description and input_schema",
+                param="tools",
+            )
         fn = {"name": t.name, "description": t.description, "parameters": t.input_schema or {"type": "object"}}
         tools.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
     choice, name = "auto", None
@@ -63,9 +69,18 @@ def to_spec(req: MessagesRequest) -> CallSpec:
         name = req.tool_choice.name
         if choice == "named" and not name:
             raise bad_request("tool_choice of type 'tool' needs a name", param="tool_choice")
-    return CallSpec(messages=messages, tools=tools or None, tool_choice=choice, tool_name=name,
-                    max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                    stop=[s for s in req.stop_sequences or [] if s], api="messages")  # fmt: skip
+    return CallSpec(
+        messages=messages,
+        tools=tools or None,
+        tool_choice=choice,
+        tool_name=name,
+        max_tokens=req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        stop=[s for s in req.stop_sequences or [] if s],
+        api="messages",
+    )
 
 
 def _check_tool_results(messages: list[AnthropicMessage]) -> None:
@@ -83,7 +98,7 @@ def _check_tool_results(messages: list[AnthropicMessage]) -> None:
                     f"messages[{i}].content[{j}]: tool_result for tool_use_id {extra.get('tool_use_id')!r}, but the "
                     f"message before it has no tool_use block with that id (it has: {sorted(offered) or 'none'})",
                     param="messages",
-                )  # fmt: skip
+                )
         offered = set()
 
 
@@ -101,13 +116,21 @@ def _convert(m: AnthropicMessage, i: int) -> list[Message]:
                 out.append({"role": "user", "content": "\n".join(texts)})
                 texts = []
             extra = block.model_extra or {}
-            out.append({"role": "tool", "tool_call_id": str(extra.get("tool_use_id") or ""),
-                        "content": content_text(extra.get("content"), f"{where}[{j}].content")})  # fmt: skip
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": str(extra.get("tool_use_id") or ""),
+                    "content": content_text(extra.get("content"), f"{where}[{j}].content"),
+                }
+            )
         elif block.type == "text":
             texts.append(block.text or "")
         else:
-            raise bad_request(f"{where}[{j}]: block type {block.type!r} is not supported in a user message "
-                              "(text and tool_result are)", param="messages")  # fmt: skip
+            raise bad_request(
+                f"{where}[{j}]: block type {block.type!r} is not supported in a user message "
+                "(text and tool_result are)",
+                param="messages",
+            )
     if texts or not out:
         out.append({"role": "user", "content": "\n".join(texts)})
     return out
@@ -134,8 +157,9 @@ def _assistant(blocks: list[Block], where: str) -> Message:
             arguments = json.dumps(tool_input, ensure_ascii=False)
             calls.append(tool_call(str(extra.get("id") or f"toolu_{j}"), name, arguments))
         else:
-            raise bad_request(f"{where}[{j}]: block type {block.type!r} is not supported in an assistant message",
-                              param="messages")  # fmt: skip
+            raise bad_request(
+                f"{where}[{j}]: block type {block.type!r} is not supported in an assistant message", param="messages"
+            )
     message["content"] = "\n".join(texts)
     if thinking and any(thinking):
         message["reasoning_content"] = "\n".join(thinking)
@@ -171,10 +195,17 @@ def _stop(done: Completion) -> tuple[str, str | None]:
 
 def response_body(mid: str, model: str, done: Completion) -> dict[str, Any]:
     reason, sequence = _stop(done)
-    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": _blocks(done),
-            "stop_reason": reason, "stop_sequence": sequence,
-            "usage": {"input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens},
-            **done.arl_fields()}  # fmt: skip
+    return {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": _blocks(done),
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": {"input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens},
+        **done.arl_fields(),
+    }
 
 
 async def _stream(mid: str, model: str, items: Any) -> AsyncIterator[bytes]:
@@ -188,17 +219,35 @@ async def _stream(mid: str, model: str, items: Any) -> AsyncIterator[bytes]:
         async for item in items:
             if not started:
                 started = True
-                yield event("message_start", {"message": {"id": mid, "type": "message", "role": "assistant",
-                            "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
-                            "usage": {"input_tokens": 0, "output_tokens": 0}}})  # fmt: skip
+                yield event(
+                    "message_start",
+                    {
+                        "message": {
+                            "id": mid,
+                            "type": "message",
+                            "role": "assistant",
+                            "model": model,
+                            "content": [],
+                            "stop_reason": None,
+                            "stop_sequence": None,
+                            "usage": {"input_tokens": 0, "output_tokens": 0},
+                        }
+                    },
+                )
             if item.done is not None:
                 if open_kind is not None:
                     yield event("content_block_stop", {"index": index})
                 reason, sequence = _stop(item.done)
-                yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence,
-                                                        **item.done.arl_fields()},
-                            "usage": {"input_tokens": item.done.prompt_tokens,
-                                      "output_tokens": item.done.completion_tokens}})  # fmt: skip
+                yield event(
+                    "message_delta",
+                    {
+                        "delta": {"stop_reason": reason, "stop_sequence": sequence, **item.done.arl_fields()},
+                        "usage": {
+                            "input_tokens": item.done.prompt_tokens,
+                            "output_tokens": item.done.completion_tokens,
+                        },
+                    },
+                )
                 yield event("message_stop", {})
                 continue
             ev = item.event

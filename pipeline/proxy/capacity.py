@@ -63,11 +63,17 @@ class Capacity:
         take the last slot."""
         with self._locked() as values:
             if require_grant and values[_GRANTS] < 1:
-                raise ApiError(429, "no capacity: the rollout has not granted a session slot yet "
-                               "(proxy.require_capacity; an admin grants slots with POST /grant_capacity)")  # fmt: skip
+                raise ApiError(
+                    429,
+                    "no capacity: the rollout has not granted a session slot yet "
+                    "(proxy.require_capacity; an admin grants slots with POST /grant_capacity)",
+                )
             if values[_OPEN] >= max_open:
-                raise ApiError(429, f"too many open sessions ({max_open}, proxy.max_sessions): "
-                               "end finished sessions with POST /rl/end_session")  # fmt: skip
+                raise ApiError(
+                    429,
+                    f"too many open sessions ({max_open}, proxy.max_sessions): "
+                    "end finished sessions with POST /rl/end_session",
+                )
             if require_grant:
                 values[_GRANTS] -= 1
             values[_OPEN] += 1

@@ -76,18 +76,27 @@ class ExportedSession:
 
     def to_json(self) -> dict[str, Any]:
         """The `/export_trajectories` answer (rows in their wire form: every column but `step`)."""
-        return {"session_id": self.session_id, "group_id": self.group_id,
-                "samples": [row.to_wire() for row in self.rows], "num_interactions": self.num_interactions,
-                "prefix_breaks": self.prefix_breaks, "first_call_s": self.first_call_s}  # fmt: skip
+        return {
+            "session_id": self.session_id,
+            "group_id": self.group_id,
+            "samples": [row.to_wire() for row in self.rows],
+            "num_interactions": self.num_interactions,
+            "prefix_breaks": self.prefix_breaks,
+            "first_call_s": self.first_call_s,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ExportedSession:
         from schemas.trajectory import TrajectoryRow
 
-        return cls(str(data["session_id"]), str(data["group_id"]),
-                   [TrajectoryRow.from_wire(sample) for sample in data["samples"]],
-                   int(data["num_interactions"]), int(data["prefix_breaks"]),
-                   _optional_float(data.get("first_call_s")))  # fmt: skip
+        return cls(
+            str(data["session_id"]),
+            str(data["group_id"]),
+            [TrajectoryRow.from_wire(sample) for sample in data["samples"]],
+            int(data["num_interactions"]),
+            int(data["prefix_breaks"]),
+            _optional_float(data.get("first_call_s")),
+        )
 
 
 class ProxyControl(Protocol):
@@ -97,8 +106,12 @@ class ProxyControl(Protocol):
         """Admit `count` more sessions through the capacity gate (`proxy.require_capacity`)."""
         ...
 
-    async def start_session(self, group_id: str | None = None, metadata: dict[str, Any] | None = None,
-                            sampling: SamplingOverride | None = None) -> SessionInfo:  # fmt: skip
+    async def start_session(
+        self,
+        group_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        sampling: SamplingOverride | None = None,
+    ) -> SessionInfo:
         """A new session (its calls sampled as `sampling` imposes, if given); `NoCapacity` while the gate or
         `proxy.max_sessions` holds it back."""
         ...
@@ -122,8 +135,9 @@ def root_url(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-async def _post(http: httpx.AsyncClient, url: str, key: str, body: dict[str, Any],
-                extra_headers: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+async def _post(
+    http: httpx.AsyncClient, url: str, key: str, body: dict[str, Any], extra_headers: dict[str, str] | None = None
+) -> dict[str, Any]:
     try:
         headers = {"Authorization": f"Bearer {key}", **(extra_headers or {})}
         response = await http.post(url, json=body, headers=headers)
@@ -156,8 +170,12 @@ class HttpControl:
     async def grant_capacity(self, count: int = 1) -> None:
         await _post(self.http, f"{self.url}/grant_capacity", self.key, {"count": count})
 
-    async def start_session(self, group_id: str | None = None, metadata: dict[str, Any] | None = None,
-                            sampling: SamplingOverride | None = None) -> SessionInfo:  # fmt: skip
+    async def start_session(
+        self,
+        group_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        sampling: SamplingOverride | None = None,
+    ) -> SessionInfo:
         body: dict[str, Any] = {"metadata": metadata or {}}
         if group_id is not None:
             body["group_id"] = group_id
@@ -176,8 +194,9 @@ class HttpControl:
         await _post(self.http, f"{self.url}/rl/set_reward", self.key, body)
 
     async def end_session(self, session_id: str, status: str | None = None) -> None:
-        await _post(self.http, f"{self.url}/rl/end_session", self.key, {"session_id": session_id},
-                    _status_header(status))  # fmt: skip
+        await _post(
+            self.http, f"{self.url}/rl/end_session", self.key, {"session_id": session_id}, _status_header(status)
+        )
 
     async def export(self, session_id: str, *, style: str, discount: float) -> ExportedSession:
         """`/export_trajectories` (admin key); a session with calls in flight after `export_wait_s` answers 409
@@ -189,8 +208,9 @@ class HttpControl:
         try:
             return ExportedSession.from_json(data)
         except (KeyError, TypeError, ValueError) as exc:
-            raise ProxyAPIError(f"{self.url}/export_trajectories answered an unexpected body ({exc!r}): "
-                                f"{str(data)[:500]}") from None  # fmt: skip
+            raise ProxyAPIError(
+                f"{self.url}/export_trajectories answered an unexpected body ({exc!r}): {str(data)[:500]}"
+            ) from None
 
 
 class SessionClient:

@@ -171,8 +171,9 @@ class Generator:
             cached = session.prompt_text(parent.id)
             if cached is not None and spec.messages[: match.prefix_len - 1] != parent.messages:
                 cached = None  # the fast path needs the very messages the cached text was rendered from
-            ext = self.tokenizer.extend(spec.messages, render_tools, match.prefix_len, parent.output_ids, prefill,
-                                        parent_text=cached)  # fmt: skip
+            ext = self.tokenizer.extend(
+                spec.messages, render_tools, match.prefix_len, parent.output_ids, prefill, parent_text=cached
+            )
             if ext is not None:
                 prompt_ids = [*parent.prompt_ids, *parent.output_ids, *ext.suffix_ids]
                 text = ext.full_text
@@ -187,8 +188,19 @@ class Generator:
         wanted = spec.max_tokens if spec.max_tokens is not None else self.proxy.default_max_tokens
         imposed = session.sampling.max_tokens if session.sampling is not None else None
         max_new = max(1, min(wanted, imposed or wanted, self.proxy.max_tokens_limit, room))
-        return Prepared(prompt_ids, parent, reason is not None, reason, keys, tkey, render_tools, prefill,
-                        tool_parser, max_new, text)  # fmt: skip
+        return Prepared(
+            prompt_ids,
+            parent,
+            reason is not None,
+            reason,
+            keys,
+            tkey,
+            render_tools,
+            prefill,
+            tool_parser,
+            max_new,
+            text,
+        )
 
     def _tools(self, spec: CallSpec) -> tuple[list[dict] | None, str, str]:
         """(tools to render, assistant prefill, tool parser name) for the tool_choice."""
@@ -203,15 +215,17 @@ class Generator:
             chosen = [t for t in tools if t["function"]["name"] == spec.tool_name]
             if not chosen:
                 names = [t["function"]["name"] for t in tools]
-                raise bad_request(f"tool_choice names {spec.tool_name!r}, which is not among the tools {names}",
-                                  param="tool_choice")  # fmt: skip
+                raise bad_request(
+                    f"tool_choice names {spec.tool_name!r}, which is not among the tools {names}", param="tool_choice"
+                )
             return chosen, cls.prefill(spec.tool_name), parser
         if spec.tool_choice == "required":
             return tools, cls.prefill(None), parser
         return tools, "", parser
 
-    def sampling_params(self, spec: CallSpec, prep: Prepared, index: int,
-                        imposed: SamplingOverride | None = None) -> dict[str, Any]:  # fmt: skip
+    def sampling_params(
+        self, spec: CallSpec, prep: Prepared, index: int, imposed: SamplingOverride | None = None
+    ) -> dict[str, Any]:
         """The engine's sampling parameters for choice `index`; `imposed` (the session's) wins over the call's."""
         params: dict[str, Any] = {
             "max_new_tokens": prep.max_new_tokens,
@@ -238,11 +252,17 @@ class Generator:
         prep = await self.prepare_soon(session, spec)
         session.inflight += 1
         try:
-            results = await asyncio.gather(*(
-                self._generate(prep.prompt_ids, self.sampling_params(spec, prep, i, session.sampling), session.id,
-                               spec.top_logprobs)
-                for i in range(len(ids))
-            ))  # fmt: skip
+            results = await asyncio.gather(
+                *(
+                    self._generate(
+                        prep.prompt_ids,
+                        self.sampling_params(spec, prep, i, session.sampling),
+                        session.id,
+                        spec.top_logprobs,
+                    )
+                    for i in range(len(ids))
+                )
+            )
         finally:
             session.inflight -= 1
             session.touch()
@@ -251,14 +271,24 @@ class Generator:
             text, stop_string = self._output_text(result.output_ids, spec.stop)
             parsed = parse_text(prep.prefill + text, prep.tool_parser, self.reasoning_parser)
             versions = result.output_versions or [result.weight_version] * len(result.output_ids)
-            done = self._record(session, spec, prep, i, iid, result.output_ids, result.output_logprobs, versions,
-                                result.finish_reason, parsed, stop_string)  # fmt: skip
+            done = self._record(
+                session,
+                spec,
+                prep,
+                i,
+                iid,
+                result.output_ids,
+                result.output_logprobs,
+                versions,
+                result.finish_reason,
+                parsed,
+                stop_string,
+            )
             done.top_logprobs = result.output_top_logprobs
             completions.append(done)
         return completions
 
-    async def _generate(self, prompt_ids: list[int], params: dict[str, Any], sticky: str,
-                        top: int) -> GenerateResult:  # fmt: skip
+    async def _generate(self, prompt_ids: list[int], params: dict[str, Any], sticky: str, top: int) -> GenerateResult:
         try:
             return await self.engine.generate(prompt_ids, params, sticky_key=sticky, top_logprobs_num=top)
         except EngineError as exc:
@@ -277,8 +307,9 @@ class Generator:
         prep = await self.prepare_soon(session, spec)
         return self._stream_all(session, spec, prep, ids)
 
-    async def _stream_all(self, session: Session, spec: CallSpec, prep: Prepared,
-                          ids: list[str]) -> AsyncIterator[StreamItem]:  # fmt: skip
+    async def _stream_all(
+        self, session: Session, spec: CallSpec, prep: Prepared, ids: list[str]
+    ) -> AsyncIterator[StreamItem]:
         session.inflight += 1
         try:
             if len(ids) == 1:
@@ -314,8 +345,9 @@ class Generator:
             session.inflight -= 1
             session.touch()
 
-    async def _stream_one(self, session: Session, spec: CallSpec, prep: Prepared, index: int,
-                          iid: str) -> AsyncIterator[StreamItem]:  # fmt: skip
+    async def _stream_one(
+        self, session: Session, spec: CallSpec, prep: Prepared, index: int, iid: str
+    ) -> AsyncIterator[StreamItem]:
         detok = IncrementalDetokenizer(self.tokenizer)
         stopper = StopHolder(spec.stop)
         parser = OutputParser(prep.tool_parser, self.reasoning_parser)
@@ -329,8 +361,9 @@ class Generator:
         reason, version = "stop", None
         try:
             params = self.sampling_params(spec, prep, index, session.sampling)
-            async for chunk in self.engine.generate_stream(prep.prompt_ids, params, sticky_key=session.id,
-                                                           top_logprobs_num=spec.top_logprobs):  # fmt: skip
+            async for chunk in self.engine.generate_stream(
+                prep.prompt_ids, params, sticky_key=session.id, top_logprobs_num=spec.top_logprobs
+            ):
                 version = chunk.weight_version if chunk.weight_version is not None else version
                 ids.extend(chunk.new_ids)
                 logprobs.extend(chunk.new_logprobs)
@@ -347,8 +380,9 @@ class Generator:
         for event in tail:
             events.append(event)
             yield StreamItem(index, event)
-        done = self._record(session, spec, prep, index, iid, ids, logprobs, versions, reason, collect(events),
-                            stopper.stopped)  # fmt: skip
+        done = self._record(
+            session, spec, prep, index, iid, ids, logprobs, versions, reason, collect(events), stopper.stopped
+        )
         done.top_logprobs = top if spec.top_logprobs > 0 else None
         yield StreamItem(index, done=done)
 
@@ -361,9 +395,20 @@ class Generator:
         return version
 
     # -- recording --------------------------------------------------------------------------
-    def _record(self, session: Session, spec: CallSpec, prep: Prepared, index: int, iid: str, output_ids: list[int],
-                logprobs: list[float], versions: list[int], engine_reason: str, parsed: Parsed,
-                stop_string: str | None) -> Completion:  # fmt: skip
+    def _record(
+        self,
+        session: Session,
+        spec: CallSpec,
+        prep: Prepared,
+        index: int,
+        iid: str,
+        output_ids: list[int],
+        logprobs: list[float],
+        versions: list[int],
+        engine_reason: str,
+        parsed: Parsed,
+        stop_string: str | None,
+    ) -> Completion:
         if engine_reason == "abort":
             finish = "abort"
         elif engine_reason == "length":
@@ -377,12 +422,20 @@ class Generator:
         if prep.prefill:
             metadata["prefill"] = prep.prefill
         interaction = Interaction(
-            id=iid, session_id=session.id, prompt_ids=prep.prompt_ids, output_ids=list(output_ids),
-            output_logprobs=[float(x) for x in logprobs], output_versions=list(versions),
-            messages=spec.messages, response_message=response,
-            parent_id=prep.parent.id if prep.parent is not None else None, prefix_break=prep.prefix_break,
-            finish_reason=finish, created_at=time.time(), metadata=metadata,
-        )  # fmt: skip
+            id=iid,
+            session_id=session.id,
+            prompt_ids=prep.prompt_ids,
+            output_ids=list(output_ids),
+            output_logprobs=[float(x) for x in logprobs],
+            output_versions=list(versions),
+            messages=spec.messages,
+            response_message=response,
+            parent_id=prep.parent.id if prep.parent is not None else None,
+            prefix_break=prep.prefix_break,
+            finish_reason=finish,
+            created_at=time.time(),
+            metadata=metadata,
+        )
         session.record(interaction, prep.keys, message_key(response), prep.tools_key, prep.prompt_text)
         return Completion(index, interaction, parsed, finish, stop_string, len(prep.prompt_ids), len(output_ids))
 
@@ -423,5 +476,7 @@ def token_logprobs(tokenizer: ChatTokenizer, completion: Completion) -> list[dic
             text = texts[token_id] = tokenizer.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", errors="replace"))}
 
-    return [{**entry(tid, lp), "top_logprobs": [entry(t, v) for v, t in top]}
-            for tid, lp, top in zip(ids, lps, tops, strict=False)]  # fmt: skip
+    return [
+        {**entry(tid, lp), "top_logprobs": [entry(t, v) for v, t in top]}
+        for tid, lp, top in zip(ids, lps, tops, strict=False)
+    ]

@@ -19,10 +19,14 @@ from typing import Any
 
 from pipeline.proxy.errors import bad_request
 
-_DISTRIBUTION = ("it changes the distribution tokens are sampled from, and arl records the log-probabilities of "
-                 "the distribution it samples (it would train on samples the agent did not ask for)")  # fmt: skip
-_GRAMMAR = ("constrained decoding is not implemented: the reply would not be guaranteed to follow the format, "
-            "and its log-probabilities would not be those of a constrained sampler")  # fmt: skip
+_DISTRIBUTION = (
+    "it changes the distribution tokens are sampled from, and arl records the log-probabilities of "
+    "the distribution it samples (it would train on samples the agent did not ask for)"
+)
+_GRAMMAR = (
+    "constrained decoding is not implemented: the reply would not be guaranteed to follow the format, "
+    "and its log-probabilities would not be those of a constrained sampler"
+)
 _TEMPLATE = "reasoning controls reach the model only through its chat template, which arl renders without them"
 _ONE_CALL = "arl cannot forbid the model a second tool call (it parses whatever calls the model writes)"
 
@@ -86,8 +90,11 @@ def refuse_unhonoured(api: str, request: Any, ignore: Sequence[str]) -> None:
         value = extra[name] if name in extra else getattr(request, name, None)
         if value is None or name in ignore or neutral(value):
             continue
-        raise bad_request(f"{name}={_short(value)} is not supported: {why}. Remove it, or list {name!r} in "
-                          "proxy.ignore_fields to have the proxy drop it", param=name)  # fmt: skip
+        raise bad_request(
+            f"{name}={_short(value)} is not supported: {why}. Remove it, or list {name!r} in "
+            "proxy.ignore_fields to have the proxy drop it",
+            param=name,
+        )
 
 
 def _short(value: Any) -> str:

@@ -49,8 +49,9 @@ async def parse_body(request: Request, model: type[M]) -> M:
             reason = (detail.get("ctx") or {}).get("error", "parse error")
             raise ApiError(400, f"the request body is not valid JSON: {reason}") from None
         if any(not e.get("loc") for e in errors):
-            raise ApiError(400, "the request body must be a JSON object "
-                           "(send it with Content-Type: application/json)") from None  # fmt: skip
+            raise ApiError(
+                400, "the request body must be a JSON object (send it with Content-Type: application/json)"
+            ) from None
         message, param = format_validation_errors([dict(e) for e in errors])
         raise ApiError(400, message, param=param) from None
 
@@ -169,15 +170,23 @@ class BodyLimit:
                 await send_error(path, send, self._too_large(exc.size))
 
     def _too_large(self, size: int) -> ApiError:
-        return ApiError(413, f"request body is {size} bytes, more than the proxy accepts "
-                        f"({self.max_bytes} bytes, proxy.max_request_bytes)")  # fmt: skip
+        return ApiError(
+            413,
+            f"request body is {size} bytes, more than the proxy accepts "
+            f"({self.max_bytes} bytes, proxy.max_request_bytes)",
+        )
 
 
 async def send_error(path: str, send: Send, err: ApiError) -> None:
     """Answer `err` straight from an ASGI middleware, in the same shape as the app's error handlers."""
     response = error_response(path, err)
-    await send({"type": "http.response.start", "status": response.status_code,
-                "headers": [(k.encode(), v.encode()) for k, v in response.headers.items()]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": response.status_code,
+            "headers": [(k.encode(), v.encode()) for k, v in response.headers.items()],
+        }
+    )
     await send({"type": "http.response.body", "body": response.body})
 
 

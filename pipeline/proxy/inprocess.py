@@ -46,8 +46,9 @@ class InProcessTransport(httpx.AsyncBaseTransport):
             error = None if task.cancelled() else task.exception()
             message = b"Internal Server Error" if error is not None else b"the proxy app returned no response"
             # What uvicorn answers for an app that raised (or returned) before it began a response.
-            return httpx.Response(500, headers={"content-type": "text/plain; charset=utf-8"}, content=message,
-                                  request=request)  # fmt: skip
+            return httpx.Response(
+                500, headers={"content-type": "text/plain; charset=utf-8"}, content=message, request=request
+            )
         return httpx.Response(exchange.status, headers=exchange.headers, stream=_Body(exchange), request=request)
 
 
@@ -55,11 +56,20 @@ def _scope(request: httpx.Request) -> dict[str, Any]:
     url = request.url
     port = url.port or (443 if url.scheme == "https" else 80)
     return {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-        "method": request.method, "scheme": url.scheme, "path": url.path, "raw_path": url.raw_path.split(b"?")[0],
-        "query_string": url.query, "root_path": "", "headers": [(k.lower(), v) for k, v in request.headers.raw],
-        "client": None, "server": (url.host, port), "state": {},
-    }  # fmt: skip
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": request.method,
+        "scheme": url.scheme,
+        "path": url.path,
+        "raw_path": url.raw_path.split(b"?")[0],
+        "query_string": url.query,
+        "root_path": "",
+        "headers": [(k.lower(), v) for k, v in request.headers.raw],
+        "client": None,
+        "server": (url.host, port),
+        "state": {},
+    }
 
 
 class _Exchange:

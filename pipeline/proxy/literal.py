@@ -61,16 +61,22 @@ class LiteralSpecials:
         if isinstance(content, str) and self._find.search(content):
             copy = {**message, "content": self.escape(content)}
         elif isinstance(content, list) and any(self._needs(p.get("text")) for p in content if isinstance(p, dict)):
-            parts = [{**p, "text": self.escape(p["text"])} if isinstance(p, dict) and self._needs(p.get("text"))
-                     else p for p in content]  # fmt: skip
+            parts = [
+                {**p, "text": self.escape(p["text"])} if isinstance(p, dict) and self._needs(p.get("text")) else p
+                for p in content
+            ]
             copy = {**message, "content": parts}
         reasoning = message.get("reasoning_content")
         if isinstance(reasoning, str) and self._needs(reasoning):
             copy = {**(copy or message), "reasoning_content": self.escape(reasoning)}
         calls = message.get("tool_calls")
         if calls and any(self._needs(_arguments(c)) for c in calls):
-            copy = {**(copy or message), "tool_calls": [_with_arguments(c, self.escape(_arguments(c)))
-                                                         if self._needs(_arguments(c)) else c for c in calls]}
+            copy = {
+                **(copy or message),
+                "tool_calls": [
+                    _with_arguments(c, self.escape(_arguments(c))) if self._needs(_arguments(c)) else c for c in calls
+                ],
+            }
         return copy if copy is not None else message
 
     def _needs(self, text: Any) -> bool:

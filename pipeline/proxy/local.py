@@ -52,8 +52,12 @@ class LocalControl:
     async def grant_capacity(self, count: int = 1) -> None:
         self.store.grant(count)
 
-    async def start_session(self, group_id: str | None = None, metadata: dict[str, Any] | None = None,
-                            sampling: SamplingOverride | None = None) -> SessionInfo:  # fmt: skip
+    async def start_session(
+        self,
+        group_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        sampling: SamplingOverride | None = None,
+    ) -> SessionInfo:
         with _as_proxy_errors():
             session = self.store.start(OWNER, group_id, metadata or {}, sampling)
         return SessionInfo(session.id, session.api_key)

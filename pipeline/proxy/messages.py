@@ -54,8 +54,9 @@ def content_text(content: Any, where: str) -> str:
                     param=where,
                 )
         return "\n".join(texts)
-    raise bad_request(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}",
-                      param=where)  # fmt: skip
+    raise bad_request(
+        f"{where}: content must be a string or a list of text parts, got {type(content).__name__}", param=where
+    )
 
 
 def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:

@@ -33,8 +33,9 @@ def new_ids(n: int) -> tuple[str, list[str]]:
 
 def to_spec(req: ChatCompletionRequest) -> CallSpec:
     if req.top_logprobs and not req.logprobs:
-        raise bad_request("top_logprobs needs logprobs: true (set logprobs to true to get the alternatives)",
-                          param="top_logprobs")  # fmt: skip
+        raise bad_request(
+            "top_logprobs needs logprobs: true (set logprobs to true to get the alternatives)", param="top_logprobs"
+        )
     tools = [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in req.tools or []]
     choice, name = "auto", None
     if isinstance(req.tool_choice, str):
@@ -43,19 +44,30 @@ def to_spec(req: ChatCompletionRequest) -> CallSpec:
         choice, name = "named", req.tool_choice.function.name
     return CallSpec(
         messages=[_message(m, i) for i, m in enumerate(req.messages)],
-        tools=tools or None, tool_choice=choice, tool_name=name,
-        max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-        top_k=req.top_k, stop=req.stop_list(), seed=req.seed, n=req.n or 1, api="chat",
+        tools=tools or None,
+        tool_choice=choice,
+        tool_name=name,
+        max_tokens=req.max_completion_tokens or req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        stop=req.stop_list(),
+        seed=req.seed,
+        n=req.n or 1,
+        api="chat",
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
-    )  # fmt: skip
+    )
 
 
 def _message(m: ChatMessage, i: int) -> Message:
     where = f"messages[{i}].content"
     role = "system" if m.role == "developer" else m.role
     if m.content is None and role != "assistant":  # as OpenAI: only an assistant turn may have none
-        raise bad_request(f"{where}: a {m.role} message needs content (null is accepted only for an assistant "
-                          "message, e.g. one with tool_calls)", param="messages")  # fmt: skip
+        raise bad_request(
+            f"{where}: a {m.role} message needs content (null is accepted only for an assistant "
+            "message, e.g. one with tool_calls)",
+            param="messages",
+        )
     out: Message = {"role": role, "content": content_text(_parts(m.content), where)}
     if role == "assistant":
         if m.tool_calls:
@@ -116,27 +128,41 @@ def usage(completions: list[Completion]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
 
 
-def response_body(cid: str, model: str, req: ChatCompletionRequest, completions: list[Completion],
-                  tokenizer: ChatTokenizer) -> dict[str, Any]:  # fmt: skip
+def response_body(
+    cid: str, model: str, req: ChatCompletionRequest, completions: list[Completion], tokenizer: ChatTokenizer
+) -> dict[str, Any]:
     choices = []
     for c in completions:
         logprobs = _logprobs(tokenizer, c) if req.logprobs else None
         choices.append({"index": c.index, "message": response_message(c), "logprobs": logprobs, **finish(c)})
-    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(completions), "system_fingerprint": None}  # fmt: skip
+    return {
+        "id": cid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(completions),
+        "system_fingerprint": None,
+    }
 
 
-async def stream_body(cid: str, model: str, req: ChatCompletionRequest, items: AsyncIterator[StreamItem],
-                      tokenizer: ChatTokenizer) -> AsyncIterator[bytes]:  # fmt: skip
+async def stream_body(
+    cid: str, model: str, req: ChatCompletionRequest, items: AsyncIterator[StreamItem], tokenizer: ChatTokenizer
+) -> AsyncIterator[bytes]:
     """SSE chunks: a role chunk per choice, deltas as parsed, a finish chunk, usage, [DONE]."""
     created = int(time.time())
     n = req.n or 1
 
     def chunk(index: int, delta: dict[str, Any], done: Completion | None = None, logprobs: Any = None) -> bytes:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs,
-                  **(finish(done) if done is not None else {"finish_reason": None})}  # fmt: skip
-        return sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [choice]})  # fmt: skip
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            **(finish(done) if done is not None else {"finish_reason": None}),
+        }
+        return sse(
+            {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+        )
 
     for i in range(n):
         yield chunk(i, {"role": "assistant", "content": ""})
@@ -158,8 +184,12 @@ async def stream_body(cid: str, model: str, req: ChatCompletionRequest, items: A
                 yield chunk(item.index, {"reasoning_content": event.text})
             elif event.call is not None:
                 call = event.call
-                delta = {"index": calls[item.index], "id": call.id, "type": "function",
-                         "function": {"name": call.name, "arguments": call.arguments}}  # fmt: skip
+                delta = {
+                    "index": calls[item.index],
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
                 calls[item.index] += 1
                 yield chunk(item.index, {"tool_calls": [delta]})
     except ApiError as exc:  # headers are out: report in-band, as OpenAI does
@@ -168,6 +198,14 @@ async def stream_body(cid: str, model: str, req: ChatCompletionRequest, items: A
         return
     if req.stream_options is not None and req.stream_options.include_usage:
         done.sort(key=lambda c: c.index)
-        yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                   "choices": [], "usage": usage(done)})  # fmt: skip
+        yield sse(
+            {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": usage(done),
+            }
+        )
     yield b"data: [DONE]\n\n"

@@ -55,8 +55,9 @@ def _chain(session: Session, req: ResponsesRequest) -> list[Message]:
     if req.previous_response_id:
         stored = session.responses.get(req.previous_response_id)
         if stored is None:
-            raise ApiError(404, f"no response {req.previous_response_id!r} in this session",
-                           param="previous_response_id")  # fmt: skip
+            raise ApiError(
+                404, f"no response {req.previous_response_id!r} in this session", param="previous_response_id"
+            )
         prefix = [*stored["chain"], stored["output"]]
     items = [InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     return prefix + items_to_messages(items)
@@ -89,11 +90,15 @@ def items_to_messages(items: list[InputItem]) -> list[Message]:
         elif kind == "function_call_output":
             flush()
             output = item.output if item.output is not None else ""
-            out.append({"role": "tool", "tool_call_id": item.call_id or "",
-                        "content": content_text(output, f"{where}.output")})  # fmt: skip
+            out.append(
+                {"role": "tool", "tool_call_id": item.call_id or "", "content": content_text(output, f"{where}.output")}
+            )
         else:
-            raise bad_request(f"{where}: input items of type {kind!r} are not supported (use message, reasoning, "
-                              "function_call, function_call_output)", param="input")  # fmt: skip
+            raise bad_request(
+                f"{where}: input items of type {kind!r} are not supported (use message, reasoning, "
+                "function_call, function_call_output)",
+                param="input",
+            )
     flush()
     return out
 
@@ -121,8 +126,9 @@ def _spec(req: ResponsesRequest, messages: list[Message]) -> CallSpec:
     tools = []
     for i, t in enumerate(req.tools or []):
         if t.type != "function" or not t.name:
-            raise bad_request(f"tools[{i}]: only function tools with a name are supported, got type {t.type!r}",
-                              param="tools")  # fmt: skip
+            raise bad_request(
+                f"tools[{i}]: only function tools with a name are supported, got type {t.type!r}", param="tools"
+            )
         fn = {"name": t.name, "description": t.description, "parameters": t.parameters}
         tools.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
     choice, name = "auto", None
@@ -131,9 +137,17 @@ def _spec(req: ResponsesRequest, messages: list[Message]) -> CallSpec:
     elif req.tool_choice is not None:
         choice, name = "named", req.tool_choice.name
     top = (req.top_logprobs or 0) if req.wants_logprobs() else 0  # no alternatives are computed unless shown
-    return CallSpec(messages=messages, tools=tools or None, tool_choice=choice, tool_name=name,
-                    max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
-                    api="responses", top_logprobs=top)  # fmt: skip
+    return CallSpec(
+        messages=messages,
+        tools=tools or None,
+        tool_choice=choice,
+        tool_name=name,
+        max_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        api="responses",
+        top_logprobs=top,
+    )
 
 
 def _events_of(done: Completion) -> list[Event]:
@@ -171,16 +185,26 @@ class _Output:
         if event.kind == "tool_call" and event.call is not None:
             out += self.close()
             c = event.call
-            item: dict[str, Any] = {"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": c.id,
-                                    "name": c.name, "arguments": c.arguments, "status": "completed"}  # fmt: skip
+            item: dict[str, Any] = {
+                "type": "function_call",
+                "id": "fc_" + uuid.uuid4().hex[:24],
+                "call_id": c.id,
+                "name": c.name,
+                "arguments": c.arguments,
+                "status": "completed",
+            }
             index = len(self.items)
             self.items.append(item)
             base = {"item_id": item["id"], "output_index": index}
-            out += [("response.output_item.added", {"output_index": index, "item": {**item, "arguments": "",
-                                                                                   "status": "in_progress"}}),
-                    ("response.function_call_arguments.delta", {**base, "delta": c.arguments}),
-                    ("response.function_call_arguments.done", {**base, "arguments": c.arguments, "name": c.name}),
-                    ("response.output_item.done", {"output_index": index, "item": item})]  # fmt: skip
+            out += [
+                (
+                    "response.output_item.added",
+                    {"output_index": index, "item": {**item, "arguments": "", "status": "in_progress"}},
+                ),
+                ("response.function_call_arguments.delta", {**base, "delta": c.arguments}),
+                ("response.function_call_arguments.done", {**base, "arguments": c.arguments, "name": c.name}),
+                ("response.output_item.done", {"output_index": index, "item": item}),
+            ]
             return out
         kind = "reasoning" if event.kind == "reasoning" else "message"
         if self.open is None or self.open["type"] != kind:
@@ -190,8 +214,7 @@ class _Output:
         assert current is not None
         part = current["content"][0]
         part["text"] += event.text
-        base = {"item_id": current["id"], "output_index": len(self.items) - 1, "content_index": 0,
-                "delta": event.text}  # fmt: skip
+        base = {"item_id": current["id"], "output_index": len(self.items) - 1, "content_index": 0, "delta": event.text}
         if kind == "reasoning":
             out.append(("response.reasoning_text.delta", base))
         else:
@@ -201,20 +224,38 @@ class _Output:
     def _open(self, kind: str) -> list[tuple[str, dict[str, Any]]]:
         item: dict[str, Any]
         if kind == "reasoning":
-            item = {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex[:24], "summary": [],
-                    "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}  # fmt: skip
+            item = {
+                "type": "reasoning",
+                "id": "rs_" + uuid.uuid4().hex[:24],
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": ""}],
+                "status": "in_progress",
+            }
         else:
-            item = {"type": "message", "id": "msg_" + uuid.uuid4().hex[:24], "role": "assistant",
-                    "status": "in_progress", "content": [{"type": "output_text", "text": "", "annotations": [],
-                                                          "logprobs": []}]}  # fmt: skip
+            item = {
+                "type": "message",
+                "id": "msg_" + uuid.uuid4().hex[:24],
+                "role": "assistant",
+                "status": "in_progress",
+                "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}],
+            }
         self.open = item
         index = len(self.items)
         self.items.append(item)
         empty = {**item, "content": []} if kind == "message" else item
         events = [("response.output_item.added", {"output_index": index, "item": _copy(empty)})]
         if kind == "message":
-            events.append(("response.content_part.added", {"item_id": item["id"], "output_index": index,
-                           "content_index": 0, "part": dict(item["content"][0])}))  # fmt: skip
+            events.append(
+                (
+                    "response.content_part.added",
+                    {
+                        "item_id": item["id"],
+                        "output_index": index,
+                        "content_index": 0,
+                        "part": dict(item["content"][0]),
+                    },
+                )
+            )
         return events
 
     def close(self) -> list[tuple[str, dict[str, Any]]]:
@@ -228,8 +269,10 @@ class _Output:
         if item["type"] == "reasoning":
             events = [("response.reasoning_text.done", {**base, "text": part["text"]})]
         else:
-            events = [("response.output_text.done", {**base, "text": part["text"], "logprobs": part["logprobs"]}),
-                      ("response.content_part.done", {**base, "part": dict(part)})]  # fmt: skip
+            events = [
+                ("response.output_text.done", {**base, "text": part["text"], "logprobs": part["logprobs"]}),
+                ("response.content_part.done", {**base, "part": dict(part)}),
+            ]
         events.append(("response.output_item.done", {"output_index": index, "item": _copy(item)}))
         return events
 
@@ -242,33 +285,63 @@ def _copy(item: dict[str, Any]) -> dict[str, Any]:
     return {**item, "content": [dict(p) for p in item["content"]]} if "content" in item else dict(item)
 
 
-def _response(rid: str, model: str, req: ResponsesRequest, output: list[dict[str, Any]],
-              done: Completion | None) -> dict[str, Any]:  # fmt: skip
+def _response(
+    rid: str, model: str, req: ResponsesRequest, output: list[dict[str, Any]], done: Completion | None
+) -> dict[str, Any]:
     status = "in_progress" if done is None else ("incomplete" if done.truncated else "completed")
     usage = None
     if done is not None:
-        usage = {"input_tokens": done.prompt_tokens,
-                 "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},  # the SDK requires both
-                 "output_tokens": done.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                 "total_tokens": done.prompt_tokens + done.completion_tokens}  # fmt: skip
-    tools = [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
-              "strict": t.strict} for t in req.tools or []]  # fmt: skip
-    choice = req.tool_choice.model_dump() if req.tool_choice is not None and not isinstance(req.tool_choice, str) \
-        else (req.tool_choice or "auto")  # fmt: skip
+        usage = {
+            "input_tokens": done.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},  # the SDK requires both
+            "output_tokens": done.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+        }
+    tools = [
+        {
+            "type": "function",
+            "name": t.name,
+            "description": t.description,
+            "parameters": t.parameters,
+            "strict": t.strict,
+        }
+        for t in req.tools or []
+    ]
+    choice = (
+        req.tool_choice.model_dump()
+        if req.tool_choice is not None and not isinstance(req.tool_choice, str)
+        else (req.tool_choice or "auto")
+    )
     return {
-        "id": rid, "object": "response", "created_at": time.time(), "status": status, "model": model,
-        "output": output, "parallel_tool_calls": True, "tool_choice": choice, "tools": tools,
-        "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
-        "previous_response_id": req.previous_response_id, "instructions": req.instructions,
-        "metadata": req.metadata or {}, "usage": usage, "error": None,
+        "id": rid,
+        "object": "response",
+        "created_at": time.time(),
+        "status": status,
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": True,
+        "tool_choice": choice,
+        "tools": tools,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "max_output_tokens": req.max_output_tokens,
+        "previous_response_id": req.previous_response_id,
+        "instructions": req.instructions,
+        "metadata": req.metadata or {},
+        "usage": usage,
+        "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "text": {"format": {"type": "text"}}, "truncation": "disabled", "top_logprobs": req.top_logprobs,
+        "text": {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "top_logprobs": req.top_logprobs,
         **(done.arl_fields() if done is not None else {}),
-    }  # fmt: skip
+    }
 
 
-async def _stream(rid: str, model: str, req: ResponsesRequest, items: Any, session: Session,
-                  chain: list[Message], gen: Generator) -> AsyncIterator[bytes]:  # fmt: skip
+async def _stream(
+    rid: str, model: str, req: ResponsesRequest, items: Any, session: Session, chain: list[Message], gen: Generator
+) -> AsyncIterator[bytes]:
     seq = 0
 
     def event(kind: str, data: dict[str, Any]) -> bytes:

@@ -52,19 +52,26 @@ END = answers(EndAnswer, *BODY, *KEYED, 404, 409, 503)
 EXPORT = answers(ExportAnswer, *BODY, *KEYED, 404, 409)
 
 
-def llm_call(answer: type[BaseModel], event: dict[str, Any], error: type[BaseModel], *, done_marker: bool,
-             statuses: tuple[int, ...] = ()) -> tuple[dict[str, Any], tuple[type[BaseModel], ...]]:  # fmt: skip
+def llm_call(
+    answer: type[BaseModel],
+    event: dict[str, Any],
+    error: type[BaseModel],
+    *,
+    done_marker: bool,
+    statuses: tuple[int, ...] = (),
+) -> tuple[dict[str, Any], tuple[type[BaseModel], ...]]:
     """The OpenAPI responses of an LLM route (a raw post: written out, not built by FastAPI) and their models."""
     content = {"application/json": {"schema": ref(answer)}, **sse_stream(event, done_marker=done_marker)}
     ok = {"description": "The answer, or with stream=true its Server-Sent Events", "content": content}
-    failed = {str(s): {"description": STATUS_TEXT[s], "content": {"application/json": {"schema": ref(error)}}}
-              for s in (*BODY, *KEYED, *statuses, 502, 503)}  # fmt: skip
+    failed = {
+        str(s): {"description": STATUS_TEXT[s], "content": {"application/json": {"schema": ref(error)}}}
+        for s in (*BODY, *KEYED, *statuses, 502, 503)
+    }
     return {"200": ok, **failed}, (answer, error)
 
 
 # A stream that fails after its headers reports the error in-band, in the API's error shape.
-CHAT = llm_call(ChatCompletion, {"anyOf": [ref(ChatCompletionChunk), ref(OpenAIError)]}, OpenAIError,
-                done_marker=True)  # fmt: skip
+CHAT = llm_call(ChatCompletion, {"anyOf": [ref(ChatCompletionChunk), ref(OpenAIError)]}, OpenAIError, done_marker=True)
 RESPONSES = llm_call(ResponseObject, ref(ResponseEvent), OpenAIError, done_marker=False, statuses=(404,))
 MESSAGES = llm_call(AnthropicMessageObject, ref(MessageEvent), AnthropicError, done_marker=False)
 EVENT_MODELS = (ChatCompletionChunk, ResponseEvent, MessageEvent)

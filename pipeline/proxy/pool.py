@@ -63,8 +63,15 @@ class PoolControl:
     (admin key); grants go straight to the shared counts. An export waits up to `export_wait_s` for calls in
     flight, as `LocalControl`'s does."""
 
-    def __init__(self, urls: list[str], admin_key: str, http: httpx.AsyncClient, capacity: Capacity, *,
-                 export_wait_s: float = 30.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        urls: list[str],
+        admin_key: str,
+        http: httpx.AsyncClient,
+        capacity: Capacity,
+        *,
+        export_wait_s: float = 30.0,
+    ) -> None:
         self.urls = urls
         self.workers = [HttpControl(url, admin_key, http, export_wait_s=export_wait_s) for url in urls]
         self.capacity = capacity
@@ -79,8 +86,12 @@ class PoolControl:
     async def grant_capacity(self, count: int = 1) -> None:
         self.capacity.grant(count)
 
-    async def start_session(self, group_id: str | None = None, metadata: dict[str, Any] | None = None,
-                            sampling: SamplingOverride | None = None) -> SessionInfo:  # fmt: skip
+    async def start_session(
+        self,
+        group_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        sampling: SamplingOverride | None = None,
+    ) -> SessionInfo:
         worker = self.workers[self._next % len(self.workers)]
         self._next += 1
         info = await worker.start_session(group_id, metadata, sampling)
@@ -107,10 +118,19 @@ class _Worker:
 class ProxyPool:
     """The worker processes of one pool (see the module docstring); `open_pool` is the way to run one."""
 
-    def __init__(self, model: ModelConfig, proxy: ProxyConfig, *, admin_key: str, engine_urls: list[str] | None = None,
-                 run_root: str | None = None, request_timeout_s: float = 600.0,
-                 on_end: EndHook | None = None, adapters: bool = False,
-                 batching: BatchPolicy | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: ModelConfig,
+        proxy: ProxyConfig,
+        *,
+        admin_key: str,
+        engine_urls: list[str] | None = None,
+        run_root: str | None = None,
+        request_timeout_s: float = 600.0,
+        on_end: EndHook | None = None,
+        adapters: bool = False,
+        batching: BatchPolicy | None = None,
+    ) -> None:
         self.model, self.proxy, self.admin_key = model, proxy, admin_key
         self.adapters = adapters
         """Name the announced version's LoRA adapter in every request (`weight_version.AnnouncedAdapter`)."""
@@ -138,12 +158,26 @@ class ProxyPool:
             os.chmod(self.events_path, 0o600)
         for index in range(self.proxy.workers):
             port = self.proxy.port + index if self.proxy.port else 0
-            spec = WorkerSpec(index, self.model.model_dump(), self.proxy.model_copy(update={"port": port}).model_dump(),
-                              self.admin_key, self.engine_urls, self.run_root, self.request_timeout_s,
-                              self.events_path, logging.getLogger().level, self.adapters, self.batching)  # fmt: skip
+            spec = WorkerSpec(
+                index,
+                self.model.model_dump(),
+                self.proxy.model_copy(update={"port": port}).model_dump(),
+                self.admin_key,
+                self.engine_urls,
+                self.run_root,
+                self.request_timeout_s,
+                self.events_path,
+                logging.getLogger().level,
+                self.adapters,
+                self.batching,
+            )
             parent, child = self.context.Pipe()
-            process = self.context.Process(target=serve_worker, args=(spec, self.capacity.shared, child),
-                                           name=f"arl-proxy-worker-{index}", daemon=True)  # fmt: skip
+            process = self.context.Process(
+                target=serve_worker,
+                args=(spec, self.capacity.shared, child),
+                name=f"arl-proxy-worker-{index}",
+                daemon=True,
+            )
             process.start()
             child.close()
             self.workers.append(_Worker(index, process, parent))
@@ -162,9 +196,11 @@ class ProxyPool:
         while self.error is None:
             for worker in self.workers:
                 if not worker.process.is_alive():
-                    self.error = (f"proxy worker {worker.index} ({worker.url}, pid {worker.process.pid}) exited "
-                                  f"with code {worker.process.exitcode}: its sessions are lost; see this stage's "
-                                  "log")  # fmt: skip
+                    self.error = (
+                        f"proxy worker {worker.index} ({worker.url}, pid {worker.process.pid}) exited "
+                        f"with code {worker.process.exitcode}: its sessions are lost; see this stage's "
+                        "log"
+                    )
                     log.error("%s", self.error)
             await asyncio.sleep(0.5)
 
@@ -216,11 +252,14 @@ def _await_url(worker: _Worker, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while not worker.conn.poll(0.2):
         if not worker.process.is_alive():
-            raise ArlError(f"proxy worker {worker.index} exited with code {worker.process.exitcode} before it "
-                           "listened; its error is in this stage's log above")  # fmt: skip
+            raise ArlError(
+                f"proxy worker {worker.index} exited with code {worker.process.exitcode} before it "
+                "listened; its error is in this stage's log above"
+            )
         if time.monotonic() > deadline:
-            raise ArlError(f"proxy worker {worker.index} (pid {worker.process.pid}) did not listen within "
-                           f"{timeout_s:g}s")  # fmt: skip
+            raise ArlError(
+                f"proxy worker {worker.index} (pid {worker.process.pid}) did not listen within {timeout_s:g}s"
+            )
     message = worker.conn.recv()
     if not isinstance(message, str) or not message.startswith("http"):
         raise ArlError(f"proxy worker {worker.index} failed to start: {message}")
@@ -228,8 +267,9 @@ def _await_url(worker: _Worker, timeout_s: float) -> str:
 
 
 @contextlib.asynccontextmanager
-async def open_pool(model: ModelConfig, proxy: ProxyConfig, *, admin_key: str, http: httpx.AsyncClient,
-                    **kwargs: Any) -> AsyncIterator[tuple[ProxyPool, PoolControl]]:  # fmt: skip
+async def open_pool(
+    model: ModelConfig, proxy: ProxyConfig, *, admin_key: str, http: httpx.AsyncClient, **kwargs: Any
+) -> AsyncIterator[tuple[ProxyPool, PoolControl]]:
     """A started pool and its control; the workers are stopped on exit. `kwargs`: `ProxyPool`'s."""
     pool = ProxyPool(model, proxy, admin_key=admin_key, **kwargs)
     try:

@@ -57,8 +57,10 @@ class EndForwarder:
         try:
             reply = await asyncio.wait_for(self._send(event), END_TIMEOUT_S)
         except TimeoutError:
-            raise RuntimeError(f"the proxy stage did not acknowledge the end of session {event.session_id} within "
-                               f"{END_TIMEOUT_S:g}s (worker {self.worker})") from None  # fmt: skip
+            raise RuntimeError(
+                f"the proxy stage did not acknowledge the end of session {event.session_id} within "
+                f"{END_TIMEOUT_S:g}s (worker {self.worker})"
+            ) from None
         except OSError as exc:
             raise RuntimeError(f"worker {self.worker} could not reach the proxy stage at {self.path}: {exc}") from exc
         if not reply.get("ok"):
@@ -111,8 +113,14 @@ async def _serve(spec: WorkerSpec, counts: Any, conn: Any) -> None:
         urls = urls_from_registry(RunPaths(Path(spec.run_root or ".")))
     adapter = AnnouncedAdapter(RunPaths(Path(spec.run_root or "."))) if spec.adapters else None
     engine = EngineClient(urls, request_timeout_s=spec.request_timeout_s, adapter=adapter, batching=spec.batching)
-    proxy = ProxyServer(ModelConfig(**spec.model), ProxyConfig(**spec.proxy), engine, admin_key=spec.admin_key,
-                        capacity=Capacity(counts), worker=spec.index)  # fmt: skip
+    proxy = ProxyServer(
+        ModelConfig(**spec.model),
+        ProxyConfig(**spec.proxy),
+        engine,
+        admin_key=spec.admin_key,
+        capacity=Capacity(counts),
+        worker=spec.index,
+    )
     if spec.events_path is not None:
         proxy.store.on_end(EndForwarder(spec.events_path, spec.index))
     try:

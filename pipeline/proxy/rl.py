@@ -89,16 +89,18 @@ def any_agent_set_reward(store: SessionStore, caller: Caller, body: AnyAgentSetR
     return set_reward(store, caller, SetRewardRequest(reward=body.reward, interaction_id=body.completion_id))
 
 
-async def end_session(store: SessionStore, caller: Caller, body: EndSessionRequest | None, reason: str,
-                      run_status: str = "ok") -> dict[str, Any]:  # fmt: skip
+async def end_session(
+    store: SessionStore, caller: Caller, body: EndSessionRequest | None, reason: str, run_status: str = "ok"
+) -> dict[str, Any]:
     """End the session; answers once the end is announced (a subscriber's failure is a 503)."""
     session = target_session(store, caller, body.session_id if body else None)
     await store.end(session, reason, run_status)
     return {"session_id": session.id, "ended": True, "num_interactions": len(session.tree)}
 
 
-async def finalize(store: SessionStore, caller: Caller, body: AnyAgentFinalize,
-                   run_status: str = "ok") -> dict[str, Any]:  # fmt: skip
+async def finalize(
+    store: SessionStore, caller: Caller, body: AnyAgentFinalize, run_status: str = "ok"
+) -> dict[str, Any]:
     target_session(store, caller, None)  # a session key, its own session
     if body.final_reward is not None:
         set_reward(store, caller, SetRewardRequest(reward=body.final_reward))

@@ -60,15 +60,27 @@ log = logging.getLogger("arl.proxy")
 class ProxyServer:
     """See the module docstring."""
 
-    def __init__(self, model: ModelConfig, proxy: ProxyConfig, engine: EngineClient, *, admin_key: str,
-                 capacity: Capacity | None = None, worker: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: ModelConfig,
+        proxy: ProxyConfig,
+        engine: EngineClient,
+        *,
+        admin_key: str,
+        capacity: Capacity | None = None,
+        worker: int | None = None,
+    ) -> None:
         """`capacity` and `worker`: set when this is one worker of a pool (`pipeline.proxy.pool`)."""
         check_parser_names(model.tool_parser, model.reasoning_parser)
         self.model = model
         self.config = proxy
         self.engine = engine
-        self.tokenizer = ChatTokenizer(model.tokenizer or model.path, model.chat_template, model_dir=model.path,
-                                       special_tokens_in_content=proxy.special_tokens_in_content)  # fmt: skip
+        self.tokenizer = ChatTokenizer(
+            model.tokenizer or model.path,
+            model.chat_template,
+            model_dir=model.path,
+            special_tokens_in_content=proxy.special_tokens_in_content,
+        )
         self.store = SessionStore(proxy, admin_key, capacity=capacity, worker=worker)
         self.control = LocalControl(self.store)
         self.generator = Generator(self.tokenizer, engine, model, proxy)
@@ -101,9 +113,16 @@ class ProxyServer:
         freeze_startup_heap()
         await self.engine.start()
         # proxy_headers off: nothing reads the client address, and it is one more layer per request.
-        config = uvicorn.Config(self.app, host=self.config.host, port=self.config.port, log_level="warning",
-                                access_log=False, lifespan="off", timeout_keep_alive=60,
-                                proxy_headers=False)  # fmt: skip
+        config = uvicorn.Config(
+            self.app,
+            host=self.config.host,
+            port=self.config.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_keep_alive=60,
+            proxy_headers=False,
+        )
         server = _embedded_server(config)
         self._server = server
         self._serve_task = asyncio.create_task(server.serve(), name="proxy-uvicorn")
@@ -175,9 +194,13 @@ def _embedded_server(config: Any) -> Any:
 
 
 def build_app(proxy: ProxyServer) -> FastAPI:
-    app = FastAPI(title="arl capture proxy", version="1", docs_url=None, redoc_url=None,
-                  description="OpenAI/Anthropic-compatible proxy recording exact tokens for RL "
-                  "(docs/proxy.md).")  # fmt: skip
+    app = FastAPI(
+        title="arl capture proxy",
+        version="1",
+        docs_url=None,
+        redoc_url=None,
+        description="OpenAI/Anthropic-compatible proxy recording exact tokens for RL (docs/proxy.md).",
+    )
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=proxy.config.max_request_bytes)
     # Added last, so it runs first: a request without a valid key learns nothing about bodies or limits.
@@ -194,9 +217,23 @@ def build_app(proxy: ProxyServer) -> FastAPI:
 
     @app.get("/v1/models", response_model=None, responses=doc.MODELS)
     async def models(caller: Caller = caller_dep) -> Response:
-        return json_response({"object": "list", "data": [
-            {"id": served, "object": "model", "created": 0, "owned_by": "arl", "type": "model", "display_name": served,
-             "created_at": "1970-01-01T00:00:00Z", "max_model_len": proxy.model.max_context}]})  # fmt: skip
+        return json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": served,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "arl",
+                        "type": "model",
+                        "display_name": served,
+                        "created_at": "1970-01-01T00:00:00Z",
+                        "max_model_len": proxy.model.max_context,
+                    }
+                ],
+            }
+        )
 
     @app.post("/grant_capacity", response_model=None, responses=doc.GRANT)
     async def grant_capacity(caller: Caller = caller_dep, body: GrantCapacityRequest | None = None) -> Response:
@@ -212,8 +249,9 @@ def build_app(proxy: ProxyServer) -> FastAPI:
         return json_response(rl.set_reward(proxy.store, caller, body))
 
     @app.post("/rl/end_session", response_model=None, responses=doc.END)
-    async def end_session(request: Request, caller: Caller = caller_dep,
-                          body: EndSessionRequest | None = None) -> Response:  # fmt: skip
+    async def end_session(
+        request: Request, caller: Caller = caller_dep, body: EndSessionRequest | None = None
+    ) -> Response:
         return json_response(await rl.end_session(proxy.store, caller, body, "end_session", _run_status(request)))
 
     @app.post("/export_trajectories", response_model=None, responses=doc.EXPORT)
@@ -267,9 +305,11 @@ def _llm_routes(proxy: ProxyServer) -> list[RawPost]:
         refuse_unhonoured("messages", body, proxy.config.ignore_fields)
         return await anthropic_messages.handle(proxy.generator, session, body, served)
 
-    return [RawPost("/v1/chat/completions", chat_completions, ChatCompletionRequest, *doc.CHAT),
-            RawPost("/v1/responses", responses, ResponsesRequest, *doc.RESPONSES),
-            RawPost("/v1/messages", messages, MessagesRequest, *doc.MESSAGES)]  # fmt: skip
+    return [
+        RawPost("/v1/chat/completions", chat_completions, ChatCompletionRequest, *doc.CHAT),
+        RawPost("/v1/responses", responses, ResponsesRequest, *doc.RESPONSES),
+        RawPost("/v1/messages", messages, MessagesRequest, *doc.MESSAGES),
+    ]
 
 
 def _sse(chunks: AsyncIterator[bytes]) -> StreamingResponse:

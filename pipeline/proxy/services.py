@@ -88,9 +88,13 @@ async def wait_for_servers(paths: RunPaths, timeout_s: float) -> list[str]:
 
     urls = urls_from_registry(paths)
     found = await asyncio.to_thread(
-        wait_for, lambda: urls() or None, what=f"an inference server entry in {paths.inference_registry}",
-        upstream="inference", log=paths.latest_log("inference"), timeout_s=timeout_s,
-    )  # fmt: skip
+        wait_for,
+        lambda: urls() or None,
+        what=f"an inference server entry in {paths.inference_registry}",
+        upstream="inference",
+        log=paths.latest_log("inference"),
+        timeout_s=timeout_s,
+    )
     return list(found) if isinstance(found, list) else urls()
 
 
@@ -103,8 +107,13 @@ def batching(config: ArlConfig) -> BatchPolicy:
 
 def registry_entry(urls: list[str]) -> dict[str, Any]:
     """`url`: the first worker's (any one serves whole sessions); `urls`: every worker's (`proxy.workers`)."""
-    return {"url": urls[0], "urls": urls, "host": socket.gethostname(), "pid": os.getpid(),
-            "started_at": datetime.now(UTC).isoformat(timespec="seconds")}  # fmt: skip
+    return {
+        "url": urls[0],
+        "urls": urls,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
 
 
 @contextlib.asynccontextmanager
@@ -118,8 +127,12 @@ async def open_services(
     from pipeline.engine.registry import urls_from_registry
     from pipeline.run.weight_version import announced_adapter
 
-    engine = EngineClient(urls_from_registry(paths), request_timeout_s=config.inference.request_timeout_s,
-                          adapter=announced_adapter(config, paths), batching=batching(config))  # fmt: skip
+    engine = EngineClient(
+        urls_from_registry(paths),
+        request_timeout_s=config.inference.request_timeout_s,
+        adapter=announced_adapter(config, paths),
+        batching=batching(config),
+    )
     # Built before the wait: the proxy's tokenizer and chat template (about 2 s, mostly importing transformers)
     # load while the inference stage is still loading its model, instead of after. The engine client reads
     # the registry again on its first request.
@@ -148,15 +161,20 @@ def _in_process_proxy(config: ArlConfig, paths: RunPaths, engine: EngineClient) 
 
 
 @contextlib.asynccontextmanager
-async def _open_in_process(config: ArlConfig, proxy: ProxyServer, engine: EngineClient,
-                           subscribe: Callable[[ProxyControl], EndHook] | None) -> AsyncIterator[Services]:  # fmt: skip
+async def _open_in_process(
+    config: ArlConfig, proxy: ProxyServer, engine: EngineClient, subscribe: Callable[[ProxyControl], EndHook] | None
+) -> AsyncIterator[Services]:
     if subscribe is not None:
         proxy.store.on_end(subscribe(proxy.control))
     http = None
     try:
         url = await proxy.start()
-        http = agent_http_client(config.rollout.run_timeout_s + 60, proxy_url=url, proxy_app=proxy.app,
-                                 transport=config.rollout.agent_transport)  # fmt: skip
+        http = agent_http_client(
+            config.rollout.run_timeout_s + 60,
+            proxy_url=url,
+            proxy_app=proxy.app,
+            transport=config.rollout.agent_transport,
+        )
         yield Services(engine=engine, control=proxy.control, proxy_url=url, http=http, urls=[url])
     finally:
         if http is not None:
@@ -165,8 +183,9 @@ async def _open_in_process(config: ArlConfig, proxy: ProxyServer, engine: Engine
 
 
 @contextlib.asynccontextmanager
-async def _open_pool(config: ArlConfig, paths: RunPaths, engine: EngineClient,
-                     subscribe: Callable[[ProxyControl], EndHook] | None) -> AsyncIterator[Services]:  # fmt: skip
+async def _open_pool(
+    config: ArlConfig, paths: RunPaths, engine: EngineClient, subscribe: Callable[[ProxyControl], EndHook] | None
+) -> AsyncIterator[Services]:
     """`proxy.workers` processes (`pipeline.proxy.pool`); their ends, if subscribed, handled in this process."""
     from pipeline.proxy.pool import open_pool
 
@@ -179,22 +198,30 @@ async def _open_pool(config: ArlConfig, paths: RunPaths, engine: EngineClient,
         await hook[0](event)
 
     try:
-        async with open_pool(config.model, config.proxy, admin_key=admin_key_for(config, paths), http=http,
-                             run_root=str(paths.root), request_timeout_s=config.inference.request_timeout_s,
-                             batching=batching(config),
-                             on_end=on_end if subscribe is not None else None,
-                             adapters=engine.adapter is not None) as (pool, control):  # fmt: skip
+        async with open_pool(
+            config.model,
+            config.proxy,
+            admin_key=admin_key_for(config, paths),
+            http=http,
+            run_root=str(paths.root),
+            request_timeout_s=config.inference.request_timeout_s,
+            batching=batching(config),
+            on_end=on_end if subscribe is not None else None,
+            adapters=engine.adapter is not None,
+        ) as (pool, control):
             if subscribe is not None:
                 hook.append(subscribe(control))
                 subscribed.set()
-            yield Services(engine=engine, control=control, proxy_url=pool.urls[0], http=http, urls=pool.urls,
-                           check=pool.check)  # fmt: skip
+            yield Services(
+                engine=engine, control=control, proxy_url=pool.urls[0], http=http, urls=pool.urls, check=pool.check
+            )
     finally:
         await http.aclose()
 
 
-def agent_http_client(timeout_s: float, *, proxy_url: str | None = None, proxy_app: Any = None,
-                      transport: str = "in_process") -> httpx.AsyncClient:  # fmt: skip
+def agent_http_client(
+    timeout_s: float, *, proxy_url: str | None = None, proxy_app: Any = None, transport: str = "in_process"
+) -> httpx.AsyncClient:
     """The `http_client` offered to inline agents (shared by every run, so connections are reused): an httpx
     client (what the OpenAI SDK takes). With `transport` "in_process" (`rollout.agent_transport`), requests to
     `proxy_url` are handed to `proxy_app` in process (`pipeline.proxy.inprocess`); all others go over an aiohttp

@@ -165,8 +165,9 @@ class Session:
             try:
                 await asyncio.wait_for(self._idle.wait(), max(deadline - time.monotonic(), 0.0))
             except TimeoutError:
-                raise ApiError(409, f"session {self.id} still has {self._inflight} call(s) in flight after "
-                               f"{timeout_s:g}s") from None  # fmt: skip
+                raise ApiError(
+                    409, f"session {self.id} still has {self._inflight} call(s) in flight after {timeout_s:g}s"
+                ) from None
 
     def find_parent(self, keys: list[MessageKey], tools: str) -> ParentMatch:
         """See the module docstring."""
@@ -198,13 +199,26 @@ class Session:
         node = self.by_id.get(interaction_id)
         return node.prompt_text if node is not None else None
 
-    def record(self, interaction: Interaction, request_keys: list[MessageKey], response_key: MessageKey,
-               tools: str, prompt_text: str | None = None) -> None:  # fmt: skip
+    def record(
+        self,
+        interaction: Interaction,
+        request_keys: list[MessageKey],
+        response_key: MessageKey,
+        tools: str,
+        prompt_text: str | None = None,
+    ) -> None:
         """Add a finished interaction to the tree and to the parent-matching index."""
         self.tree.add(interaction)
         full = (*request_keys, response_key)
-        node = _Node(interaction, tuple(request_keys), full, prefix_hashes(full)[-1], prefix_hashes(request_keys)[-1],
-                     tools, prompt_text)  # fmt: skip
+        node = _Node(
+            interaction,
+            tuple(request_keys),
+            full,
+            prefix_hashes(full)[-1],
+            prefix_hashes(request_keys)[-1],
+            tools,
+            prompt_text,
+        )
         self.nodes.append(node)
         self.by_id[interaction.id] = node
         parent = self.by_id.get(interaction.parent_id or "")
@@ -221,8 +235,9 @@ class SessionStore:
     `worker`: this process's index in a pool, written into the first two hex digits of every session id it
     mints, so that whoever holds an id knows which worker serves the session (`pipeline.proxy.pool`)."""
 
-    def __init__(self, config: ProxyConfig, admin_key: str, *, capacity: Capacity | None = None,
-                 worker: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, config: ProxyConfig, admin_key: str, *, capacity: Capacity | None = None, worker: int | None = None
+    ) -> None:
         if not admin_key:
             raise ValueError("the proxy needs a non-empty admin key")
         self.config = config
@@ -275,13 +290,17 @@ class SessionStore:
         if session is None or not hmac.compare_digest(secret.encode(), session.secret.encode()):
             owner = worker_of(session_id)
             if session is None and self.worker is not None and owner is not None and owner != self.worker:
-                raise ApiError(421, f"session {session_id} is served by proxy worker {owner}, not this one "
-                               f"({self.worker}): send a session's calls to the URL it was started on",
-                               code="misdirected_session")  # fmt: skip
+                raise ApiError(
+                    421,
+                    f"session {session_id} is served by proxy worker {owner}, not this one "
+                    f"({self.worker}): send a session's calls to the URL it was started on",
+                    code="misdirected_session",
+                )
             if session is None and session_id in self._tombstones and len(rest) > _ID_LEN:
                 # The id was real once; the secret cannot be checked any more, so say only "ended".
-                raise ApiError(410, f"session {session_id} has ended ({self._tombstones[session_id]})",
-                               code="session_ended")  # fmt: skip
+                raise ApiError(
+                    410, f"session {session_id} has ended ({self._tombstones[session_id]})", code="session_ended"
+                )
             raise ApiError(401, "invalid API key")
         return Caller("session", session.owner, session)
 
@@ -293,8 +312,9 @@ class SessionStore:
         """Open sessions (of every worker of a pool)."""
         return self.capacity.open
 
-    def start(self, owner: str, group_id: str | None, metadata: dict | None,
-              sampling: SamplingOverride | None = None) -> Session:  # fmt: skip
+    def start(
+        self, owner: str, group_id: str | None, metadata: dict | None, sampling: SamplingOverride | None = None
+    ) -> Session:
         self.capacity.admit(require_grant=self.config.require_capacity, max_open=self.config.max_sessions)
         session_id = uuid.uuid4().hex[:_ID_LEN]
         if self.worker is not None:
@@ -306,8 +326,11 @@ class SessionStore:
 
     def check_open(self, session: Session) -> None:
         if session.ended is not None:
-            raise ApiError(410, f"session {session.id} has ended ({session.ended}): no more calls are accepted",
-                           code="session_ended")  # fmt: skip
+            raise ApiError(
+                410,
+                f"session {session.id} has ended ({session.ended}): no more calls are accepted",
+                code="session_ended",
+            )
 
     async def end(self, session: Session, reason: str, run_status: str = "ok") -> None:
         """End `session` (a no-op if it has ended) and return once its end is announced; 503 if that failed."""
@@ -321,8 +344,11 @@ class SessionStore:
             try:  # shielded: a caller that goes away does not cut the save short for the others
                 await asyncio.shield(session.announced)
             except Exception as exc:
-                raise ApiError(503, f"session {session.id} ended, but the proxy could not save it "
-                               f"({type(exc).__name__}: {exc}); it will not be trained on") from exc  # fmt: skip
+                raise ApiError(
+                    503,
+                    f"session {session.id} ended, but the proxy could not save it "
+                    f"({type(exc).__name__}: {exc}); it will not be trained on",
+                ) from exc
 
     async def _announce(self, event: SessionEnd) -> None:
         for hook in self._end_hooks:
@@ -337,15 +363,19 @@ class SessionStore:
     def export(self, session: Session, style: ExportStyle, discount: float) -> ExportedSession:
         """The session's rows (no step assigned); removes the session. 409 while calls are in flight."""
         if session.inflight:
-            raise ApiError(409, f"session {session.id} has {session.inflight} call(s) in flight: end the session and "
-                           "let its calls finish before exporting")  # fmt: skip
+            raise ApiError(
+                409,
+                f"session {session.id} has {session.inflight} call(s) in flight: end the session and "
+                "let its calls finish before exporting",
+            )
         self._mark_ended(session, "exported")
         try:
             rows = session.tree.export(style, discount)
         except TrajectoryError as exc:
             raise ApiError(400, f"cannot export session {session.id}: {exc}") from None
-        exported = ExportedSession(session.id, session.tree.group_id, rows, len(session.tree), session.prefix_breaks,
-                                   session.first_call_s)  # fmt: skip
+        exported = ExportedSession(
+            session.id, session.tree.group_id, rows, len(session.tree), session.prefix_breaks, session.first_call_s
+        )
         self.remove(session.id, "exported")
         return exported
 
@@ -353,8 +383,9 @@ class SessionStore:
         session = self.sessions.get(session_id)
         if session is None:
             if session_id in self._tombstones:
-                raise ApiError(410, f"session {session_id} is gone ({self._tombstones[session_id]})",
-                               code="session_ended")  # fmt: skip
+                raise ApiError(
+                    410, f"session {session_id} is gone ({self._tombstones[session_id]})", code="session_ended"
+                )
             raise ApiError(404, f"no session {session_id!r} on this proxy")
         return session
 

@@ -34,13 +34,21 @@ REPLIES: list[dict[str, Any]] = [
 CONTEXTS: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]] = [
     ([{"role": "user", "content": "q"}], None),
     ([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}], _TOOLS),
-    ([{"role": "user", "content": "q"},
-      {"role": "assistant", "content": "", "reasoning_content": "t", "tool_calls": [_CALL]},
-      {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}], _TOOLS),
-    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
-      {"role": "user", "content": "q2"}], None),
+    (
+        [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "", "reasoning_content": "t", "tool_calls": [_CALL]},
+            {"role": "tool", "content": "1"},
+            {"role": "tool", "content": "2"},
+        ],
+        _TOOLS,
+    ),
+    (
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}],
+        None,
+    ),
     ([{"role": "system", "content": "s"}], None),
-]  # fmt: skip
+]
 SUFFIXES: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": "n"}],
     [{"role": "tool", "content": "r"}],
@@ -56,8 +64,9 @@ class Template(Protocol):
 
     generation_prompt: str
 
-    def render(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict] | None,
-               add_generation_prompt: bool) -> str: ...  # fmt: skip
+    def render(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict] | None, add_generation_prompt: bool
+    ) -> str: ...
 
     def assistant_turn(self, assistant: dict[str, Any]) -> str | None: ...
 

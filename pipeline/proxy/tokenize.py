@@ -71,9 +71,14 @@ class ChatTokenizer:
     """A tokenizer + chat template with the token-exact extension logic of the module docstring."""
 
     def __init__(
-        self, tokenizer_path: str | Path, chat_template: str | Path | None = None, model_dir: str | Path | None = None,
-        *, loaded: Any = None, special_tokens_in_content: str = "text",
-    ) -> None:  # fmt: skip
+        self,
+        tokenizer_path: str | Path,
+        chat_template: str | Path | None = None,
+        model_dir: str | Path | None = None,
+        *,
+        loaded: Any = None,
+        special_tokens_in_content: str = "text",
+    ) -> None:
         """`loaded`: the tokenizer at `tokenizer_path` already loaded by `AutoTokenizer` (not loaded again);
         `special_tokens_in_content`: `text` (special-token strings in messages are text, `pipeline.proxy.literal`)
         or `special` (encoded as the special tokens, as vLLM and SGLang do)."""
@@ -116,9 +121,11 @@ class ChatTokenizer:
             messages = self._literal.escape_messages(messages)
         try:
             return self._template.render(
-                messages=messages, tools=list(tools) if tools else None,
-                add_generation_prompt=add_generation_prompt, **self._special,
-            )  # fmt: skip
+                messages=messages,
+                tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                **self._special,
+            )
         except TemplateError as exc:
             raise bad_request(f"the model's chat template refused this conversation: {exc}", param="messages") from None
 
@@ -221,8 +228,9 @@ class ChatTokenizer:
             return None
         return self._extension(prefix_text, full_text[len(prefix_text) :], parent_output_ids, prefill)
 
-    def _extension(self, prefix_text: str, new_text: str, parent_output_ids: Sequence[int],
-                   prefill: str) -> Extension | None:  # fmt: skip
+    def _extension(
+        self, prefix_text: str, new_text: str, parent_output_ids: Sequence[int], prefill: str
+    ) -> Extension | None:
         if not prefix_text.endswith(self.close_text):
             return None
         tail = self.close_tail(parent_output_ids)
@@ -237,8 +245,9 @@ class ChatTokenizer:
             return None
         return parent_text[: len(parent_text) - len(head)] + turn
 
-    def _windowed_suffix(self, messages: Sequence[Message], tools: Sequence[dict] | None, prefix_len: int,
-                         prefix_text: str, turn: str) -> str | None:  # fmt: skip
+    def _windowed_suffix(
+        self, messages: Sequence[Message], tools: Sequence[dict] | None, prefix_len: int, prefix_text: str, turn: str
+    ) -> str | None:
         """The new text of `messages` from a window render, or None to render in full.
 
         The probes cannot cover every conversation, so the first window render and every
@@ -255,8 +264,10 @@ class ChatTokenizer:
         check = self.verify_every > 0 and (self._windowed - 1) % self.verify_every == 0
         if check and self.render(messages, tools, add_generation_prompt=True) != prefix_text + new_text:
             self.suffix_local = False
-            log.warning("the chat template renders new messages differently after a long history than in a short "
-                        "window: rendering whole conversations from now on (slower, still exact)")  # fmt: skip
+            log.warning(
+                "the chat template renders new messages differently after a long history than in a short "
+                "window: rendering whole conversations from now on (slower, still exact)"
+            )
             return None
         return new_text
 
@@ -304,9 +315,11 @@ def _literal_specials(tok: ChatTokenizer, mode: str) -> LiteralSpecials | None:
     if mode == "special" or not specials:
         return None
     if tok._splitter is None:
-        log.warning("%s: its added tokens strip whitespace or are normalized, so arl cannot keep special-token "
-                    "text in messages apart from the template's markup: it is encoded as special tokens",
-                    tok.path)  # fmt: skip
+        log.warning(
+            "%s: its added tokens strip whitespace or are normalized, so arl cannot keep special-token "
+            "text in messages apart from the template's markup: it is encoded as special tokens",
+            tok.path,
+        )
         return None
     return LiteralSpecials(tok._backend, specials)
 

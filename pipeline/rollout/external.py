@@ -87,21 +87,30 @@ class SpoolSubscriber:
 
     def check(self) -> None:
         if self.error is not None:
-            raise ArlError(f"a finished outside session could not be exported and spooled ({self.error}); its end "
-                           "call answered 503. Fix the cause (disk full? proxy error in this log?) and restart the "
-                           "stage: every session it had spooled is kept.") from self.error  # fmt: skip
+            raise ArlError(
+                f"a finished outside session could not be exported and spooled ({self.error}); its end "
+                "call answered 503. Fix the cause (disk full? proxy error in this log?) and restart the "
+                "stage: every session it had spooled is kept."
+            ) from self.error
 
 
-async def record_session(control: ProxyControl, spool: Spool, config: ArlConfig, session_id: str,
-                         status: str) -> SpooledSession:  # fmt: skip
+async def record_session(
+    control: ProxyControl, spool: Spool, config: ArlConfig, session_id: str, status: str
+) -> SpooledSession:
     """Export one finished session and write it to the spool; durable when this returns."""
     cfg = config.rollout
     exported = await export_session(control, session_id, cfg.export_style, cfg.discount)
     if exported is None:  # the proxy refused (logged by export_session): recorded so the tally survives
         record = SpooledSession(session_id, "unexported", time.time())
     else:
-        record = SpooledSession(session_id, status, time.time(), num_interactions=exported.num_interactions,
-                                prefix_breaks=exported.prefix_breaks, samples=tuple(exported.rows))  # fmt: skip
+        record = SpooledSession(
+            session_id,
+            status,
+            time.time(),
+            num_interactions=exported.num_interactions,
+            prefix_breaks=exported.prefix_breaks,
+            samples=tuple(exported.rows),
+        )
     await asyncio.to_thread(spool.write, record)  # fsyncs: off the event loop, other sessions keep going
     return record
 
@@ -115,8 +124,12 @@ def count_session(record: SpooledSession, step: int, tally: StepTally) -> list[T
         tally.add_error(f"external session {record.session_id} {record.status}", timed_out=False)
         return []
     rows = [row.at_step(step) for row in record.samples]
-    tally.add_finished(rejected=record.status == "rejected", num_interactions=record.num_interactions,
-                       prefix_breaks=record.prefix_breaks, samples=len(rows))  # fmt: skip
+    tally.add_finished(
+        rejected=record.status == "rejected",
+        num_interactions=record.num_interactions,
+        prefix_breaks=record.prefix_breaks,
+        samples=len(rows),
+    )
     return [] if record.status == "rejected" else rows
 
 
@@ -126,8 +139,18 @@ class Admission:
 
     granted: int = 0
 
-    def slots(self, *, step: int, version: int, max_staleness: int, num_steps: int, batch_size: int,
-              buffered: int, in_flight: int, started_total: int) -> int:  # fmt: skip
+    def slots(
+        self,
+        *,
+        step: int,
+        version: int,
+        max_staleness: int,
+        num_steps: int,
+        batch_size: int,
+        buffered: int,
+        in_flight: int,
+        started_total: int,
+    ) -> int:
         last_allowed = min(version + max_staleness, num_steps - 1)
         if last_allowed < step:
             return 0
@@ -155,11 +178,16 @@ class ExternalRun:
 async def admit(run: ExternalRun, step: int, buffered: int) -> None:
     """Top the proxy's capacity up to what the staleness bound allows right now."""
     counts, config = run.control.capacity, run.config
-    count = run.admission.slots(step=step, version=published_version(run.paths),
-                                max_staleness=config.rollout.max_staleness, num_steps=config.num_steps,
-                                batch_size=config.rollout.batch_size, buffered=buffered,
-                                in_flight=counts.open + run.subscriber.saving,
-                                started_total=counts.started)  # fmt: skip
+    count = run.admission.slots(
+        step=step,
+        version=published_version(run.paths),
+        max_staleness=config.rollout.max_staleness,
+        num_steps=config.num_steps,
+        batch_size=config.rollout.batch_size,
+        buffered=buffered,
+        in_flight=counts.open + run.subscriber.saving,
+        started_total=counts.started,
+    )
     if count > 0:
         await run.control.grant_capacity(count)
         run.admission.granted += count
@@ -173,16 +201,17 @@ async def run_external(ctx: StageContext, *, name: str = "external") -> list[int
     config, paths, only_step = ctx.config, ctx.paths, ctx.only_step
 
     if not config.proxy.require_capacity:
-        log.warning("proxy.require_capacity is false: outside sessions are admitted regardless of the weight "
-                    "version; only the per-token staleness check applies")  # fmt: skip
+        log.warning(
+            "proxy.require_capacity is false: outside sessions are admitted regardless of the weight "
+            "version; only the per-token staleness check applies"
+        )
     steps = [only_step] if only_step is not None else missing_steps(paths, config.num_steps)
     spool = Spool(paths)
     subscriber = SpoolSubscriber(spool, config)
     for record in spool.load():  # before serving: no write of ours is under way while its leftovers are swept
         subscriber.finished.put_nowait(record)
     if subscriber.finished.qsize() and steps:
-        log.info("%d finished sessions from %s count toward step %d", subscriber.finished.qsize(), spool.dir,
-                 steps[0])  # fmt: skip
+        log.info("%d finished sessions from %s count toward step %d", subscriber.finished.qsize(), spool.dir, steps[0])
     sink = open_sink(ctx)
     async with open_services(config, paths, name=name, subscribe=subscriber.subscribe) as services:
         try:
@@ -203,8 +232,14 @@ async def external_step(run: ExternalRun, step: int) -> None:
     stats = publish_external_step(run.paths, run.config, step, rows, consumed, tally, run.name)
     run.spool.remove(consumed)  # only now: a crash before this is undone on restart via the manifest
     run.sink.log(step, stats)
-    log.info("step %d published from %d outside sessions: %d samples, reward mean %s, %d failed/abandoned",
-             step, sessions, stats["samples"], stats["reward_mean"], tally.agent_errors)  # fmt: skip
+    log.info(
+        "step %d published from %d outside sessions: %d samples, reward mean %s, %d failed/abandoned",
+        step,
+        sessions,
+        stats["samples"],
+        stats["reward_mean"],
+        tally.agent_errors,
+    )
 
 
 async def fill_step(run: ExternalRun, step: int, tally: StepTally) -> tuple[list[TrajectoryRow], list[str], int]:
@@ -229,14 +264,27 @@ async def fill_step(run: ExternalRun, step: int, tally: StepTally) -> tuple[list
     return rows, consumed, sessions
 
 
-def publish_external_step(paths: RunPaths, config: ArlConfig, step: int, rows: list[TrajectoryRow],
-                          consumed: list[str], tally: StepTally, name: str) -> dict[str, Any]:  # fmt: skip
+def publish_external_step(
+    paths: RunPaths,
+    config: ArlConfig,
+    step: int,
+    rows: list[TrajectoryRow],
+    consumed: list[str],
+    tally: StepTally,
+    name: str,
+) -> dict[str, Any]:
     """Filter and publish the step; its manifest lists `consumed` (what a restart must not count again)."""
     from pipeline.run.shards import write_step
 
     rows = filter_rows(rows, step, config, tally)
     stats = tally.summary(rows)
     rows.sort(key=sort_key)
-    write_step(paths, step, rows, producer=f"proxy-{name}", tokenizer=config.model.tokenizer or config.model.path,
-               extra={**stats, CONSUMED_KEY: consumed})  # fmt: skip
+    write_step(
+        paths,
+        step,
+        rows,
+        producer=f"proxy-{name}",
+        tokenizer=config.model.tokenizer or config.model.path,
+        extra={**stats, CONSUMED_KEY: consumed},
+    )
     return stats

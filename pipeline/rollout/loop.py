@@ -76,13 +76,23 @@ async def run_rollout(ctx: StageContext) -> list[int]:
     if not steps and not evaluations:
         log.info("all %d steps already have a manifest: nothing to do", config.num_steps)
         return []
-    agents = {t.name: resolve_agent(t.agent, t.agent_kwargs, mode=config.rollout.mode)
-              for t in config.rollout.task_list()}  # fmt: skip
+    agents = {
+        t.name: resolve_agent(t.agent, t.agent_kwargs, mode=config.rollout.mode) for t in config.rollout.task_list()
+    }
     sink = open_sink(ctx)
     async with open_services(config, paths, name="rollout") as services:
         executors = {name: make_executor(agent, config, services.http) for name, agent in agents.items()}
-        rollout = Rollout(config, paths, schedule, executors, services.control, services.proxy_url,
-                          services.engine, sink, config.model.tokenizer or config.model.path)  # fmt: skip
+        rollout = Rollout(
+            config,
+            paths,
+            schedule,
+            executors,
+            services.control,
+            services.proxy_url,
+            services.engine,
+            sink,
+            config.model.tokenizer or config.model.path,
+        )
         where = Where(services.control, services.proxy_url, services.http)
         evaluation = InRunEvaluation(config, paths, where, services.engine, evaluations) if evaluations else None
         try:
@@ -127,8 +137,9 @@ def open_sink(ctx: StageContext) -> MetricsSink:
     paths = ctx.paths
     wandb = open_wandb(ctx.config, paths, ctx.name, prefix="rollout", redo_step=ctx.only_step)
     try:
-        return MultiSink(JsonlSink(paths.rollout_metrics), TensorBoardSink(paths.tensorboard / "rollout", "rollout"),
-                         wandb)  # fmt: skip
+        return MultiSink(
+            JsonlSink(paths.rollout_metrics), TensorBoardSink(paths.tensorboard / "rollout", "rollout"), wandb
+        )
     except ImportError as exc:  # tensorboard is optional at run time; the JSONL line is the record
         log.warning("TensorBoard unavailable (%s); metrics go to %s only", exc, paths.rollout_metrics)
         return MultiSink(JsonlSink(paths.rollout_metrics), wandb)
@@ -138,8 +149,12 @@ async def produce_step(ro: Rollout, step: int) -> None:
     """One step, start to published (the table of contents of the rollout)."""
     cfg = ro.config.rollout
     started, cpu_started = time.perf_counter(), time.process_time()
-    version = await wait_for_version(ro.paths, required_version(step, cfg.max_staleness),
-                                     timeout_s=cfg.wait_timeout_s, engine_version=ro.engine.weight_version)  # fmt: skip
+    version = await wait_for_version(
+        ro.paths,
+        required_version(step, cfg.max_staleness),
+        timeout_s=cfg.wait_timeout_s,
+        engine_version=ro.engine.weight_version,
+    )
     tally = StepTally(step, weight_version=version)
     tally.times["time_wait_weights_s"] = time.perf_counter() - started
     rows = await run_step_sessions(ro, step, ro.schedule.prompts(step), tally)
@@ -152,12 +167,21 @@ async def produce_step(ro: Rollout, step: int) -> None:
     if cfg.tasks:
         stats.update(task_figures(rows, [t.name for t in cfg.tasks]))
     # cpu_s: this process's CPU over the step (the proxy and inline agents included; subproc workers not).
-    stats.update(time_write_s=time.perf_counter() - written, time_step_s=time.perf_counter() - started,
-                 cpu_s=time.process_time() - cpu_started)  # fmt: skip
+    stats.update(
+        time_write_s=time.perf_counter() - written,
+        time_step_s=time.perf_counter() - started,
+        cpu_s=time.process_time() - cpu_started,
+    )
     ro.sink.log(step, stats)
-    log.info("step %d published: %d samples, reward mean %s, %d errors, %d rejected, %d stale dropped",
-             step, stats["samples"], _fmt(stats["reward_mean"]), tally.agent_errors, tally.rejected,
-             tally.dropped_stale)  # fmt: skip
+    log.info(
+        "step %d published: %d samples, reward mean %s, %d errors, %d rejected, %d stale dropped",
+        step,
+        stats["samples"],
+        _fmt(stats["reward_mean"]),
+        tally.agent_errors,
+        tally.rejected,
+        tally.dropped_stale,
+    )
 
 
 async def run_step_sessions(ro: Rollout, step: int, prompts: list[Prompt], tally: StepTally) -> list[TrajectoryRow]:
@@ -195,8 +219,13 @@ def run_concurrency(config: ArlConfig) -> int:
 async def run_session(ro: Rollout, step: int, prompt: Prompt, run_index: int, tally: StepTally) -> list[TrajectoryRow]:
     """One agent run in its own proxy session; its samples (none if rejected or failed)."""
     cfg = ro.config.rollout
-    metadata: dict[str, Any] = {"step": step, "dataset_index": prompt.index, "epoch": prompt.epoch,
-                                "position": prompt.position, "run_index": run_index}  # fmt: skip
+    metadata: dict[str, Any] = {
+        "step": step,
+        "dataset_index": prompt.index,
+        "epoch": prompt.epoch,
+        "position": prompt.position,
+        "run_index": run_index,
+    }
     group_id = f"step{step:06d}-p{prompt.position}"
     if cfg.tasks:  # positions count per task: the task names the group too
         metadata["task"] = prompt.task
@@ -205,16 +234,20 @@ async def run_session(ro: Rollout, step: int, prompt: Prompt, run_index: int, ta
     executor = ro.executors[prompt.task]
     report, exported = await drive_session(ro.control, ro.proxy_url, executor, prompt.data, plan, ro.config)
     if report.outcome is None or exported is None:
-        log.warning("agent run failed (session %s, dataset row %d):\n%s", plan.session_id, prompt.index,
-                    report.error)  # fmt: skip
+        log.warning("agent run failed (session %s, dataset row %d):\n%s", plan.session_id, prompt.index, report.error)
         tally.add_error(report.error or "unknown error", timed_out=report.timed_out)
         return []
     rejected = report.outcome.rejected
     metrics = report.outcome.metrics
     samples = [with_agent_metrics(row, metrics).at_step(step) for row in exported.rows]
-    tally.add_finished(rejected=rejected, num_interactions=exported.num_interactions,
-                       prefix_breaks=exported.prefix_breaks, samples=len(samples), metrics=metrics,
-                       first_call_s=exported.first_call_s)  # fmt: skip
+    tally.add_finished(
+        rejected=rejected,
+        num_interactions=exported.num_interactions,
+        prefix_breaks=exported.prefix_breaks,
+        samples=len(samples),
+        metrics=metrics,
+        first_call_s=exported.first_call_s,
+    )
     return [] if rejected else samples
 
 
@@ -222,8 +255,12 @@ def filter_rows(rows: list[TrajectoryRow], step: int, config: ArlConfig, tally: 
     """Drop samples older than the staleness bound and (if configured) groups with constant rewards."""
     rows, tally.dropped_stale = split_stale(rows, step, config.rollout.max_staleness)
     if tally.dropped_stale:
-        log.warning("step %d: dropped %d samples with tokens older than version %d", step, tally.dropped_stale,
-                    required_version(step, config.rollout.max_staleness))  # fmt: skip
+        log.warning(
+            "step %d: dropped %d samples with tokens older than version %d",
+            step,
+            tally.dropped_stale,
+            required_version(step, config.rollout.max_staleness),
+        )
     if config.rollout.drop_constant_groups:
         rows, tally.dropped_constant_groups, tally.dropped_constant_samples = drop_constant_groups(rows)
     return rows

@@ -22,8 +22,14 @@ class StepProgress:
         if sys.stderr.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self.bar = Progress(TextColumn(f"step {step}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                TextColumn("{task.fields[info]}"), transient=True)  # fmt: skip
+            self.bar = Progress(
+                TextColumn(f"step {step}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[info]}"),
+                transient=True,
+            )
             self.bar.start()
             self.task = self.bar.add_task("runs", total=total, info="")
 

@@ -66,10 +66,15 @@ class SpooledSession:
     """The exported rows (no step assigned yet)."""
 
     def to_json(self) -> bytes:
-        record = {"format": SPOOL_FORMAT, "session_id": self.session_id, "status": self.status,
-                  "finished_at": self.finished_at, "num_interactions": self.num_interactions,
-                  "prefix_breaks": self.prefix_breaks,
-                  "samples": [row.to_wire() for row in self.samples]}  # fmt: skip
+        record = {
+            "format": SPOOL_FORMAT,
+            "session_id": self.session_id,
+            "status": self.status,
+            "finished_at": self.finished_at,
+            "num_interactions": self.num_interactions,
+            "prefix_breaks": self.prefix_breaks,
+            "samples": [row.to_wire() for row in self.samples],
+        }
         return json.dumps(record, separators=(",", ":")).encode()
 
     @classmethod
@@ -85,10 +90,14 @@ class SpooledSession:
         if not isinstance(samples, list) or not all(isinstance(s, dict) for s in samples):
             raise SpoolError(f"{where}: samples must be a list of row objects")
         try:
-            record = cls(session_id=_session_id(data["session_id"]), status=str(data["status"]),
-                         finished_at=float(data["finished_at"]), num_interactions=int(data["num_interactions"]),
-                         prefix_breaks=int(data["prefix_breaks"]),
-                         samples=tuple(TrajectoryRow.from_wire(s) for s in samples))  # fmt: skip
+            record = cls(
+                session_id=_session_id(data["session_id"]),
+                status=str(data["status"]),
+                finished_at=float(data["finished_at"]),
+                num_interactions=int(data["num_interactions"]),
+                prefix_breaks=int(data["prefix_breaks"]),
+                samples=tuple(TrajectoryRow.from_wire(s) for s in samples),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise SpoolError(f"{where}: missing or malformed field ({type(exc).__name__}: {exc})") from None
         if record.status not in STATUSES:
@@ -135,8 +144,11 @@ class Spool:
         published = published_sessions(self.paths)
         done = [r.session_id for r in records if r.session_id in published]
         if done:
-            log.info("%d spooled sessions are already in a published step (the stage stopped before removing "
-                     "them): removed, not counted again", len(done))  # fmt: skip
+            log.info(
+                "%d spooled sessions are already in a published step (the stage stopped before removing "
+                "them): removed, not counted again",
+                len(done),
+            )
             self.remove(done)
         kept = [r for r in records if r.session_id not in published]
         return sorted(kept, key=lambda r: (r.finished_at, r.session_id))

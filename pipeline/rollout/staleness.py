@@ -64,8 +64,13 @@ async def wait_for_version(
         if now >= deadline:
             break
         if now - last_note > 30:
-            log.info("%s waits for weight version >= %d (published: %d)%s", what, needed, file_version,
-                     f"; the servers: {unreachable}" if unreachable else "")  # fmt: skip
+            log.info(
+                "%s waits for weight version >= %d (published: %d)%s",
+                what,
+                needed,
+                file_version,
+                f"; the servers: {unreachable}" if unreachable else "",
+            )
             last_note = now
         await asyncio.sleep(min(poll_delay(now - started, poll_s), max(deadline - now, 0.0)))
     engines = f"; the engine servers report version {engine}" if engine >= 0 else ""

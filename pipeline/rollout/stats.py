@@ -46,8 +46,16 @@ class StepTally:
         self.timeouts += int(timed_out)
         self.last_traceback = traceback_text
 
-    def add_finished(self, *, rejected: bool, num_interactions: int, prefix_breaks: int, samples: int,
-                     metrics: dict[str, float] | None = None, first_call_s: float | None = None) -> None:  # fmt: skip
+    def add_finished(
+        self,
+        *,
+        rejected: bool,
+        num_interactions: int,
+        prefix_breaks: int,
+        samples: int,
+        metrics: dict[str, float] | None = None,
+        first_call_s: float | None = None,
+    ) -> None:
         self.runs += 1
         if first_call_s is not None:
             self.first_calls.append(first_call_s)
@@ -74,24 +82,35 @@ class StepTally:
         tokens = sum(len(r.input_ids) for r in rows)
         sampled = sum(sum(r.loss_mask) for r in rows)
         return {
-            "reward_mean": _mean(rewards), "reward_std": _std(rewards),
-            "reward_min": min(rewards) if rewards else None, "reward_max": max(rewards) if rewards else None,
-            "samples": len(rows), "groups": len({r.group_id for r in rows}),
+            "reward_mean": _mean(rewards),
+            "reward_std": _std(rewards),
+            "reward_min": min(rewards) if rewards else None,
+            "reward_max": max(rewards) if rewards else None,
+            "samples": len(rows),
+            "groups": len({r.group_id for r in rows}),
             "sessions": len({r.session_id for r in rows}),
-            "tokens": tokens, "sampled_tokens": sampled,
+            "tokens": tokens,
+            "sampled_tokens": sampled,
             "sample_len_mean": tokens / len(rows) if rows else None,
             "turns_mean": _mean([float(t) for t in self.turns]),
-            "runs": self.runs, "rejected": self.rejected, "empty_runs": self.empty,
-            "agent_errors": self.agent_errors, "timeouts": self.timeouts, "error_rate": self.error_rate,
-            "prefix_breaks": self.prefix_breaks, "dropped_stale": self.dropped_stale,
+            "runs": self.runs,
+            "rejected": self.rejected,
+            "empty_runs": self.empty,
+            "agent_errors": self.agent_errors,
+            "timeouts": self.timeouts,
+            "error_rate": self.error_rate,
+            "prefix_breaks": self.prefix_breaks,
+            "dropped_stale": self.dropped_stale,
             "dropped_constant_groups": self.dropped_constant_groups,
             "dropped_constant_samples": self.dropped_constant_samples,
-            "runs_per_s": self.runs / elapsed, "duration_s": elapsed,
+            "runs_per_s": self.runs / elapsed,
+            "duration_s": elapsed,
             "weight_version": self.weight_version,
             "staleness_hist": staleness_histogram(rows, self.step),
-            "time_agent_start_s": _mean(self.first_calls), **self.times,
+            "time_agent_start_s": _mean(self.first_calls),
+            **self.times,
             **{f"agent/{name}": _mean(values) for name, values in sorted(self.agent_metrics.items())},
-        }  # fmt: skip
+        }
 
 
 def _mean(values: list[float]) -> float | None:

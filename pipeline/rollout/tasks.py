@@ -32,8 +32,9 @@ class TaskMix:
     def __init__(self, tasks: list[TaskConfig], batch_size: int, seed: int) -> None:
         self.tasks = tasks
         self.names = [t.name for t in tasks]
-        self.schedules = [Schedule(load_rows(t.dataset), 1, shuffle=t.dataset.shuffle, seed=t.dataset.seed)
-                          for t in tasks]  # fmt: skip
+        self.schedules = [
+            Schedule(load_rows(t.dataset), 1, shuffle=t.dataset.shuffle, seed=t.dataset.seed) for t in tasks
+        ]
         weights = np.array([t.weight for t in tasks], dtype=np.float64)
         self.shares = weights / weights.sum()
         self.batch_size = batch_size
@@ -62,8 +63,10 @@ class TaskMix:
         return out
 
     def fingerprint(self) -> dict[str, Any]:
-        tasks = [{"name": t.name, "dataset_len": s.size, "weight": t.weight, "shuffle": s.shuffle, "seed": s.seed}
-                 for t, s in zip(self.tasks, self.schedules, strict=True)]  # fmt: skip
+        tasks = [
+            {"name": t.name, "dataset_len": s.size, "weight": t.weight, "shuffle": s.shuffle, "seed": s.seed}
+            for t, s in zip(self.tasks, self.schedules, strict=True)
+        ]
         return {"tasks": tasks, "batch_size": self.batch_size, "task_seed": self.seed}
 
     def cursor(self, step: int) -> dict[str, Any]:

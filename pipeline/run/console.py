@@ -31,8 +31,9 @@ def people_console(*, file: IO[str] | None = None, stderr: bool = False, pipe_wi
     return console
 
 
-def fit_columns(columns: Sequence[T], width_of: Callable[[Sequence[T]], int], width: int,
-                priority: Callable[[T], int]) -> list[T]:  # fmt: skip
+def fit_columns(
+    columns: Sequence[T], width_of: Callable[[Sequence[T]], int], width: int, priority: Callable[[T], int]
+) -> list[T]:
     """The columns (in their order) whose table fits `width`: drop the highest `priority` number first."""
     kept = list(columns)
     while len(kept) > 1 and width_of(kept) > width:

@@ -28,8 +28,16 @@ T = TypeVar("T")
 _HINT = " (is the disk full, over quota, or the run dir read-only? nothing was published)"
 # Libraries that write for us (torch, safetensors, pyarrow) report a full disk or a read-only
 # run dir as RuntimeError/their own error types, with the cause in the text and no file name.
-_IO_CAUSES = ("No space left", "File too large", "Permission denied", "Read-only file system",
-              "Disk quota exceeded", "os error", "write():", "I/O error")  # fmt: skip
+_IO_CAUSES = (
+    "No space left",
+    "File too large",
+    "Permission denied",
+    "Read-only file system",
+    "Disk quota exceeded",
+    "os error",
+    "write():",
+    "I/O error",
+)
 
 
 class PublishError(ArlError):

@@ -16,10 +16,35 @@ from dataclasses import dataclass
 
 from pipeline.run.jobs import JobRecord
 
-FAILED_STATES = frozenset({"FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
-                           "PREEMPTED", "GONE", "EXITED"})  # fmt: skip
-ALIVE_STATES = frozenset({"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED",
-                          "STAGE_OUT", "SIGNALING", "REQUEUE_HOLD", "REQUEUE_FED"})  # fmt: skip
+FAILED_STATES = frozenset(
+    {
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "OUT_OF_MEMORY",
+        "NODE_FAIL",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "PREEMPTED",
+        "GONE",
+        "EXITED",
+    }
+)
+ALIVE_STATES = frozenset(
+    {
+        "PENDING",
+        "RUNNING",
+        "CONFIGURING",
+        "COMPLETING",
+        "REQUEUED",
+        "RESIZING",
+        "SUSPENDED",
+        "STAGE_OUT",
+        "SIGNALING",
+        "REQUEUE_HOLD",
+        "REQUEUE_FED",
+    }
+)
 # Alive but on the way out (e.g. just after `scancel`): squeue shows COMPLETING while sacct may
 # already say CANCELLED, so a resume must wait these out rather than keep or double-launch them.
 ENDING_STATES = frozenset({"COMPLETING", "SIGNALING", "STAGE_OUT"})
@@ -57,8 +82,12 @@ def slurm_states(job_ids: list[str]) -> dict[str, JobState]:
     for line in _run(["squeue", "-h", "-u", getpass.getuser(), "-o", "%i|%T|%N|%M"]).splitlines():
         job, state, node, elapsed = [*line.split("|"), "", "", ""][:4]
         if job in wanted:
-            states[job] = JobState(state, alive=state in ALIVE_STATES, detail=f"{node} {elapsed}".strip(),
-                                   nodes=node if state != "PENDING" else "")  # fmt: skip
+            states[job] = JobState(
+                state,
+                alive=state in ALIVE_STATES,
+                detail=f"{node} {elapsed}".strip(),
+                nodes=node if state != "PENDING" else "",
+            )
     missing = [job for job in job_ids if job not in states]
     if missing:
         fields = "JobIDRaw,State,ExitCode,Elapsed,NodeList"
@@ -68,8 +97,9 @@ def slurm_states(job_ids: list[str]) -> dict[str, JobState]:
                 word = state.split()[0] if state else "UNKNOWN"
                 node = "" if node in ("None assigned", "(null)") else node
                 where = f" on {node}" if node else ""
-                states[job] = JobState(word, alive=word in ALIVE_STATES, detail=f"exit {code} after {elapsed}{where}",
-                                       nodes=node)  # fmt: skip
+                states[job] = JobState(
+                    word, alive=word in ALIVE_STATES, detail=f"exit {code} after {elapsed}{where}", nodes=node
+                )
     for job in job_ids:
         if job not in states:
             states[job] = _scontrol_state(job)

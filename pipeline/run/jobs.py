@@ -116,8 +116,15 @@ def record_this_slurm_job(paths: RunPaths, stage: str) -> JobRecord | None:
     if any(r.job_id == job_id for r in read_jobs(paths).get(stage, [])):
         return None
     log = paths.stage_log(stage, int(attempt))
-    record = JobRecord(stage=stage, attempt=int(attempt), executor="slurm", log=str(log), host=socket.gethostname(),
-                       command=shlex.join(sys.argv), job_id=job_id)  # fmt: skip
+    record = JobRecord(
+        stage=stage,
+        attempt=int(attempt),
+        executor="slurm",
+        log=str(log),
+        host=socket.gethostname(),
+        command=shlex.join(sys.argv),
+        job_id=job_id,
+    )
     write_json_atomic(paths.self_recorded_jobs / f"{stage}.{attempt}.{job_id}.json", asdict(record))
     return record
 

@@ -50,9 +50,14 @@ class StepRecord:
 
     def task_rewards(self) -> dict[str, float]:
         """Mean reward per task (`task/<name>/reward_mean`, runs with `rollout.tasks`), in the row's order."""
-        return {key.split("/")[1]: float(value) for key, value in self.rollout.items()
-                if key.startswith("task/") and key.endswith("/reward_mean") and key.count("/") == 2
-                and isinstance(value, int | float)}  # fmt: skip
+        return {
+            key.split("/")[1]: float(value)
+            for key, value in self.rollout.items()
+            if key.startswith("task/")
+            and key.endswith("/reward_mean")
+            and key.count("/") == 2
+            and isinstance(value, int | float)
+        }
 
     @property
     def sampled_per_sample(self) -> float | None:

@@ -69,8 +69,14 @@ __all__ = [
 # together. Token ids stay PLAIN: they have no order for delta coding to exploit.
 COMPRESSION = "zstd"
 COMPRESSION_LEVEL = 1
-_DICTIONARY_COLUMNS = ["session_id", "group_id", "parent_id", "finish_reason", "loss_mask.list.element",
-                       "versions.list.element"]  # fmt: skip
+_DICTIONARY_COLUMNS = [
+    "session_id",
+    "group_id",
+    "parent_id",
+    "finish_reason",
+    "loss_mask.list.element",
+    "versions.list.element",
+]
 _COLUMN_ENCODING = {"logprobs.list.element": "BYTE_STREAM_SPLIT"}
 # ~1k-token samples make a row group of 512 rows ~2–4 MB compressed: large enough for fast
 # sequential reads, small enough that `arl inspect --limit 10` does not decode a whole part.
@@ -103,8 +109,10 @@ def write_step(
     where = f"step {step}"
     steps = {row.step for row in rows}
     if steps and steps != {step}:
-        raise SchemaError(f"{where}: rows carry step values {sorted(steps, key=str)}; every row written to step "
-                          f"{step} must have step={step} (assign it with `row.at_step({step})`)")  # fmt: skip
+        raise SchemaError(
+            f"{where}: rows carry step values {sorted(steps, key=str)}; every row written to step "
+            f"{step} must have step={step} (assign it with `row.at_step({step})`)"
+        )
     table = rows_to_table(rows, tokenizer)
     validate_table_fast(table, where=where)
     final = dest if dest is not None else paths.step_dir(step)
@@ -167,8 +175,9 @@ def _sum_flat(column: pa.ChunkedArray) -> int:
     return int(pc.sum(pc.list_flatten(column), min_count=0).as_py() or 0)
 
 
-def _manifest(step: int, producer: str, tokenizer: str, parts: list[PartEntry], table: pa.Table,
-              extra: dict) -> Manifest:  # fmt: skip
+def _manifest(
+    step: int, producer: str, tokenizer: str, parts: list[PartEntry], table: pa.Table, extra: dict
+) -> Manifest:
     versions = pc.list_flatten(table.column("versions"))
     sampled = pc.filter(versions, pc.greater_equal(versions, 0))
     weight_versions = None
@@ -320,8 +329,12 @@ def read_part(path: str | Path, *, columns: list[str] | None = None, expected_sh
     return table
 
 
-def step_part_files(step_dir: Path, *, verify: bool = True, paths: RunPaths | None = None,
-                    ) -> tuple[Manifest, list[Path]]:  # fmt: skip
+def step_part_files(
+    step_dir: Path,
+    *,
+    verify: bool = True,
+    paths: RunPaths | None = None,
+) -> tuple[Manifest, list[Path]]:
     """A complete step's manifest and part files, each present and (`verify`) matching its manifest checksum,
     without decoding them: for readers that hand the files to another engine (`arl query` gives them to DuckDB).
     Raises what `read_step_dir` raises for a step without a manifest, a missing part or a bad checksum."""
@@ -352,8 +365,10 @@ def _missing_part(path: Path, step_dir: Path, manifest: Manifest) -> SchemaError
 
 
 def _checksum_mismatch(path: Path, actual: str, expected: str) -> SchemaError:
-    return SchemaError(f"{path}: sha256 {actual[:16]}… does not match the manifest's {expected[:16]}…: "
-                       "the file is corrupt or was replaced; re-write the step")  # fmt: skip
+    return SchemaError(
+        f"{path}: sha256 {actual[:16]}… does not match the manifest's {expected[:16]}…: "
+        "the file is corrupt or was replaced; re-write the step"
+    )
 
 
 @functools.cache
@@ -375,15 +390,18 @@ def _load_manifest(step_dir: Path, paths: RunPaths | None) -> Manifest:
     path = step_dir / MANIFEST
     if not path.exists():
         done = f"; complete steps: {paths.complete_steps()}" if paths is not None else ""
-        raise StepNotFound(f"{step_dir} is not a complete step: no {MANIFEST} (its writer has not finished, or "
-                           f"was killed before publishing){done}")  # fmt: skip
+        raise StepNotFound(
+            f"{step_dir} is not a complete step: no {MANIFEST} (its writer has not finished, or "
+            f"was killed before publishing){done}"
+        )
     try:
         manifest = Manifest.model_validate_json(path.read_bytes())
     except ValidationError as exc:
         raise SchemaError(f"{path}: not a valid step manifest: {exc}") from None
     if manifest.schema_version != SCHEMA_VERSION:
-        raise SchemaError(f"{path}: trajectory schema version {manifest.schema_version}, this arl reads version "
-                          f"{SCHEMA_VERSION}")  # fmt: skip
+        raise SchemaError(
+            f"{path}: trajectory schema version {manifest.schema_version}, this arl reads version {SCHEMA_VERSION}"
+        )
     return manifest
 
 

@@ -93,8 +93,9 @@ class WandbSink:
         self.run.finish(exit_code=1 if sys.exc_info()[0] is not None else 0)
 
 
-def open_wandb(config: ArlConfig, paths: RunPaths, stage: str, *, prefix: str,
-               redo_step: int | None = None) -> MetricsSink:  # fmt: skip
+def open_wandb(
+    config: ArlConfig, paths: RunPaths, stage: str, *, prefix: str, redo_step: int | None = None
+) -> MetricsSink:
     """`stage`'s W&B run, or a null sink when `metrics.wandb` is unset (wandb is then never imported).
 
     One W&B run per stage process, all of a trial's in one group: each stage writes its own rows from
@@ -110,15 +111,27 @@ def open_wandb(config: ArlConfig, paths: RunPaths, stage: str, *, prefix: str,
     name = f"{trial}/{stage}" if redo_step is None else f"{trial}/{stage}-redo-step{redo_step}"
     try:
         run = wandb.init(
-            project=cfg.project, entity=cfg.entity, mode=cfg.mode, group=cfg.group or trial, job_type=stage,
-            name=name, tags=cfg.tags, notes=f"arl run dir {paths.root}", config=config.model_dump(mode="json"),
-            id=wandb_run_id(paths, stage, redo_step), resume="allow", dir=str(paths.metrics), reinit="create_new",
+            project=cfg.project,
+            entity=cfg.entity,
+            mode=cfg.mode,
+            group=cfg.group or trial,
+            job_type=stage,
+            name=name,
+            tags=cfg.tags,
+            notes=f"arl run dir {paths.root}",
+            config=config.model_dump(mode="json"),
+            id=wandb_run_id(paths, stage, redo_step),
+            resume="allow",
+            dir=str(paths.metrics),
+            reinit="create_new",
             settings=wandb.Settings(console="off"),  # the stage's output already goes to logs/<stage>/
-        )  # fmt: skip
+        )
     except wandb.errors.Error as exc:
-        raise ArlError(f"metrics.wandb: W&B could not start the {stage} stage's run ({exc}); on this node set "
-                       "WANDB_API_KEY (or run `wandb login`), or use metrics.wandb.mode=offline and "
-                       f"`wandb sync {paths.wandb}/offline-run-*` later") from exc  # fmt: skip
+        raise ArlError(
+            f"metrics.wandb: W&B could not start the {stage} stage's run ({exc}); on this node set "
+            "WANDB_API_KEY (or run `wandb login`), or use metrics.wandb.mode=offline and "
+            f"`wandb sync {paths.wandb}/offline-run-*` later"
+        ) from exc
     return WandbSink(run, prefix)
 
 
@@ -127,8 +140,10 @@ def import_wandb() -> Any:
     try:
         import wandb
     except ImportError as exc:
-        raise ArlError("metrics.wandb is set but wandb is not installed here: pip install 'arl[wandb]' "
-                       "(or drop metrics.wandb from the config)") from exc  # fmt: skip
+        raise ArlError(
+            "metrics.wandb is set but wandb is not installed here: pip install 'arl[wandb]' "
+            "(or drop metrics.wandb from the config)"
+        ) from exc
     return wandb
 
 

@@ -37,8 +37,9 @@ class StageContext:
     """Process rank under torchrun (`RANK`); every other stage runs one process, rank 0."""
 
     @classmethod
-    def from_run_dir(cls, name: StageName, run_dir: Path, *, only_step: int | None = None, attempt: int = 1,
-                     rank: int = 0) -> StageContext:  # fmt: skip
+    def from_run_dir(
+        cls, name: StageName, run_dir: Path, *, only_step: int | None = None, attempt: int = 1, rank: int = 0
+    ) -> StageContext:
         """A context over the frozen config in `run_dir` (no logging set up: for tests and embedders)."""
         return cls(name, RunPaths(Path(run_dir)), config_from_run_dir(run_dir), attempt, only_step, rank)
 

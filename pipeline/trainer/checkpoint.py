@@ -47,11 +47,18 @@ RNG_FILE = "rng.pkl"
 DATA_FILE = "data.json"
 
 
-def save_checkpoint(paths: RunPaths, version: int, state_dict: dict[str, torch.Tensor], model_dir: Path,
-                    tokenizer_dir: Path | None = None, dtype: str | None = None) -> Path:  # fmt: skip
+def save_checkpoint(
+    paths: RunPaths,
+    version: int,
+    state_dict: dict[str, torch.Tensor],
+    model_dir: Path,
+    tokenizer_dir: Path | None = None,
+    dtype: str | None = None,
+) -> Path:
     """Publish weight `version` atomically in HF layout and point `LATEST` at the newest complete one."""
-    return publish_checkpoint(paths, version, lambda staged: write_hf_model(staged, state_dict, model_dir,
-                                                                            tokenizer_dir, dtype))  # fmt: skip
+    return publish_checkpoint(
+        paths, version, lambda staged: write_hf_model(staged, state_dict, model_dir, tokenizer_dir, dtype)
+    )
 
 
 def publish_checkpoint(paths: RunPaths, version: int, fill: Callable[[Path], None]) -> Path:
@@ -65,8 +72,13 @@ def publish_checkpoint(paths: RunPaths, version: int, fill: Callable[[Path], Non
     return final
 
 
-def write_hf_model(out_dir: Path, state_dict: dict[str, torch.Tensor], model_dir: Path,
-                   tokenizer_dir: Path | None = None, dtype: str | None = None) -> None:  # fmt: skip
+def write_hf_model(
+    out_dir: Path,
+    state_dict: dict[str, torch.Tensor],
+    model_dir: Path,
+    tokenizer_dir: Path | None = None,
+    dtype: str | None = None,
+) -> None:
     """A Hugging Face model directory in `out_dir` (existing, empty): the initial model's config files with
     `state_dict`'s weights (a tied output layer stored once) and the tokenizer of `tokenizer_dir` or the model."""
     _copy_model_files(model_dir, out_dir)
@@ -123,8 +135,9 @@ def _copy_model_files(src: Path, dst: Path, only_tokenizer: bool = False) -> Non
             continue
         if item.name.startswith(".") or item.name == COMPLETE:
             continue
-        if only_tokenizer and not (item.name.startswith(("tokenizer", "special_tokens", "vocab", "merges"))
-                                   or item.name.endswith(".jinja")):  # fmt: skip
+        if only_tokenizer and not (
+            item.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")) or item.name.endswith(".jinja")
+        ):
             continue
         shutil.copy2(item, dst / item.name)
 
@@ -145,8 +158,11 @@ def _drop_tied(state_dict: dict[str, torch.Tensor], config_path: Path) -> dict[s
 
 # -- trainer state ---------------------------------------------------------------------------------
 def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                             "torch": torch.get_rng_state()}  # fmt: skip
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

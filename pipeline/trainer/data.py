@@ -103,8 +103,13 @@ def filter_samples(step: int, samples: list[Sample], max_staleness: int, where: 
         else:
             kept.append(s)
     if stale:
-        log.warning("step %d: dropped %d samples sampled with weights older than version %d (max_staleness=%d)",
-                    step, stale, oldest_allowed, max_staleness)  # fmt: skip
+        log.warning(
+            "step %d: dropped %d samples sampled with weights older than version %d (max_staleness=%d)",
+            step,
+            stale,
+            oldest_allowed,
+            max_staleness,
+        )
     if samples and not kept:
         raise SchemaError(
             f"{where}: all {len(samples)} samples dropped ({stale} older than version {oldest_allowed} = step "

@@ -107,8 +107,9 @@ class Trainer:
     def train_step(self, step: int, rerun: bool = False) -> None:
         timings = Timings()
         data = self.wait_and_load(step, timings)
-        advantages = compute_advantages([s.reward for s in data.samples], [s.group_id for s in data.samples],
-                                        self.cfg.algorithm.advantage)  # fmt: skip
+        advantages = compute_advantages(
+            [s.reward for s in data.samples], [s.group_id for s in data.samples], self.cfg.algorithm.advantage
+        )
         if self.config.rollout.tasks and self.cfg.algorithm.task_normalize:
             advantages = normalize_per_task(advantages, [s.task for s in data.samples])
         plan = self.plan(data, advantages, step)
@@ -138,9 +139,13 @@ class Trainer:
 
     def wait_and_load(self, step: int, timings: Timings) -> StepData:
         t0 = time.perf_counter()
-        wait_for(self.paths.step_manifest(step), what=f"trajectories/{step_name(step)}/_MANIFEST.json",
-                 upstream=self.upstream, log=self.paths.latest_log(self.upstream),
-                 timeout_s=self.cfg.wait_timeout_s)  # fmt: skip
+        wait_for(
+            self.paths.step_manifest(step),
+            what=f"trajectories/{step_name(step)}/_MANIFEST.json",
+            upstream=self.upstream,
+            log=self.paths.latest_log(self.upstream),
+            timeout_s=self.cfg.wait_timeout_s,
+        )
         timings.wait_s = time.perf_counter() - t0
         by_task = bool(self.config.rollout.tasks) and self.cfg.algorithm.task_normalize
         data = load_step(self.paths, step, self.config.rollout.max_staleness, with_tasks=by_task)
@@ -148,10 +153,18 @@ class Trainer:
         return data
 
     def plan(self, data: StepData, advantages: np.ndarray, step: int) -> list[list[MicroBatch]]:
-        return plan_step(data.samples, advantages, minibatches=self.cfg.minibatches, budget=self.cfg.micro_batch_tokens,
-                         agg=self.cfg.algorithm.loss_agg, seed=self.cfg.seed, step=step,
-                         rank=self.backend.rank, world_size=self.backend.world_size,
-                         layout=self.backend.layout)  # fmt: skip
+        return plan_step(
+            data.samples,
+            advantages,
+            minibatches=self.cfg.minibatches,
+            budget=self.cfg.micro_batch_tokens,
+            agg=self.cfg.algorithm.loss_agg,
+            seed=self.cfg.seed,
+            step=step,
+            rank=self.backend.rank,
+            world_size=self.backend.world_size,
+            layout=self.backend.layout,
+        )
 
     def update(self, plan: list[list[MicroBatch]], timings: Timings) -> list[MinibatchStats]:
         """Proximal / reference log-probs with the weights of this version, then one update per minibatch."""
@@ -178,8 +191,13 @@ class Trainer:
     def maybe_checkpoint(self, version: int, timings: Timings, force: bool = False) -> Path | None:
         """Trainer state, then the HF checkpoint, then `LATEST`; disk sync (and adapter publication, whose servers
         load the adapter from it) needs one every step."""
-        due = (self.cfg.weight_sync == "disk" or self.cfg.publishes_adapters or force
-               or version % self.cfg.checkpoint_every == 0 or version == self.config.num_steps)  # fmt: skip
+        due = (
+            self.cfg.weight_sync == "disk"
+            or self.cfg.publishes_adapters
+            or force
+            or version % self.cfg.checkpoint_every == 0
+            or version == self.config.num_steps
+        )
         self._state_dict = None
         if not due:
             if self.cfg.weight_sync == "nccl":
@@ -242,12 +260,21 @@ class Trainer:
         self.publish(version, weights, timings)  # rank 0 publishes (disk: the verifier reads `weights`)
         return timings
 
-    def hold_metrics(self, step: int, data: StepData, advantages: np.ndarray, updates: list[MinibatchStats],
-                     timings: Timings) -> dict[str, float]:  # fmt: skip
+    def hold_metrics(
+        self, step: int, data: StepData, advantages: np.ndarray, updates: list[MinibatchStats], timings: Timings
+    ) -> dict[str, float]:
         """The step's metrics row, kept in `state/` until its publication ends: a trainer stopped after the step's
         checkpoint is complete resumes after this step and logs the row then."""
-        values = step_metrics(data, advantages, updates, timings, num_params=self.backend.num_params,
-                              world_size=self.backend.world_size, peak=self.peak, version=step + 1)  # fmt: skip
+        values = step_metrics(
+            data,
+            advantages,
+            updates,
+            timings,
+            num_params=self.backend.num_params,
+            world_size=self.backend.world_size,
+            peak=self.peak,
+            version=step + 1,
+        )
         self.hold(step, values)
         return values
 
@@ -272,11 +299,20 @@ class Trainer:
         self.sinks.log(step, values)
         if self.rank0:
             self.paths.pending_metrics.unlink(missing_ok=True)
-        log.info("step %d: loss %.4f reward %.3f grad_norm %.3f kl %.2e mismatch k3 %.2e %.0f tok/s (wait %.1fs "
-                 "compute %.1fs publish %.1fs)", step, values["loss"], values["reward_mean"], values["grad_norm"],
-                 values.get("kl_behav_k3", 0.0), values.get("mismatch/k3", 0.0), values["tokens_per_s"],
-                 timings.wait_s, timings.compute_s,
-                 timings.publish_s)  # fmt: skip
+        log.info(
+            "step %d: loss %.4f reward %.3f grad_norm %.3f kl %.2e mismatch k3 %.2e %.0f tok/s (wait %.1fs "
+            "compute %.1fs publish %.1fs)",
+            step,
+            values["loss"],
+            values["reward_mean"],
+            values["grad_norm"],
+            values.get("kl_behav_k3", 0.0),
+            values.get("mismatch/k3", 0.0),
+            values["tokens_per_s"],
+            timings.wait_s,
+            timings.compute_s,
+            timings.publish_s,
+        )
 
 
 def logged_steps(paths: RunPaths) -> set[int]:
@@ -294,12 +330,14 @@ def logged_steps(paths: RunPaths) -> set[int]:
 def reduce_stats(stats: MinibatchStats) -> MinibatchStats:
     """Sum token statistics (and the loss shares) over data-parallel ranks; max the maxima; per-token values to
     rank 0 (the only rank that logs)."""
-    summed = fsdp.all_reduce({**{f"s.{k}": v for k, v in stats.sums.items()}, "loss": stats.loss,
-                              "tokens": float(stats.tokens)})  # fmt: skip
+    summed = fsdp.all_reduce(
+        {**{f"s.{k}": v for k, v in stats.sums.items()}, "loss": stats.loss, "tokens": float(stats.tokens)}
+    )
     maxima = fsdp.all_reduce(stats.maxima, op="max")
     sums = {k.removeprefix("s."): v for k, v in summed.items() if k.startswith("s.")}
-    return MinibatchStats(summed["loss"], stats.grad_norm, stats.lr, int(summed["tokens"]), sums, maxima,
-                          fsdp.gather_arrays(stats.values))  # fmt: skip
+    return MinibatchStats(
+        summed["loss"], stats.grad_norm, stats.lr, int(summed["tokens"]), sums, maxima, fsdp.gather_arrays(stats.values)
+    )
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:

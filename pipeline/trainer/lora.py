@@ -51,9 +51,15 @@ def wrap(model: Any, cfg: LoraConfig, adapter_dir: Path | None) -> Any:
     peft = _peft()
     if adapter_dir is None:
         targets: Any = cfg.target_modules if isinstance(cfg.target_modules, str) else list(cfg.target_modules)
-        config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-                                 modules_to_save=list(cfg.modules_to_save) or None, bias="none",
-                                 task_type="CAUSAL_LM")  # fmt: skip
+        config = peft.LoraConfig(
+            r=cfg.rank,
+            lora_alpha=cfg.alpha,
+            lora_dropout=cfg.dropout,
+            target_modules=targets,
+            modules_to_save=list(cfg.modules_to_save) or None,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
         wrapped = peft.get_peft_model(model, config)
     else:
         wrapped = peft.PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
@@ -186,9 +192,16 @@ def adapter_config(model: Any, base: Path) -> dict[str, Any]:
     return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
 
 
-def save_checkpoint(paths: RunPaths, version: int, adapter: dict[str, torch.Tensor], config: dict[str, Any],
-                    merged: dict[str, torch.Tensor] | None, model_dir: Path, tokenizer_dir: Path | None,
-                    dtype: str) -> Path:  # fmt: skip
+def save_checkpoint(
+    paths: RunPaths,
+    version: int,
+    adapter: dict[str, torch.Tensor],
+    config: dict[str, Any],
+    merged: dict[str, torch.Tensor] | None,
+    model_dir: Path,
+    tokenizer_dir: Path | None,
+    dtype: str,
+) -> Path:
     """Publish LoRA version `version` atomically: the adapter in PEFT's format, the tokenizer, and (when given)
     the merged full model under `merged/`; then point `LATEST` at it (as `checkpoint.save_checkpoint`)."""
     from safetensors.torch import save_file
@@ -196,8 +209,9 @@ def save_checkpoint(paths: RunPaths, version: int, adapter: dict[str, torch.Tens
     def fill(staged: Path) -> None:
         copy_tokenizer(tokenizer_dir or model_dir, staged)
         (staged / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        save_file({k: v.contiguous() for k, v in adapter.items()}, str(staged / ADAPTER_WEIGHTS),
-                  metadata={"format": "pt"})  # fmt: skip
+        save_file(
+            {k: v.contiguous() for k, v in adapter.items()}, str(staged / ADAPTER_WEIGHTS), metadata={"format": "pt"}
+        )
         if merged is not None:
             (staged / MERGED).mkdir()
             write_hf_model(staged / MERGED, merged, model_dir, tokenizer_dir, dtype)
@@ -220,8 +234,9 @@ def export_merged(adapter_dir: Path, out: Path, base: Path | None = None) -> Pat
     merged = peft.PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     with staging_dir(out) as staged:
         merged.save_pretrained(str(staged))
-        AutoTokenizer.from_pretrained(str(adapter_dir if (adapter_dir / "tokenizer_config.json").is_file()
-                                          else base)).save_pretrained(str(staged))  # fmt: skip
+        AutoTokenizer.from_pretrained(
+            str(adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base)
+        ).save_pretrained(str(staged))
         publish_dir(staged, out, COMPLETE, {"adapter": str(adapter_dir.resolve()), "base": str(base.resolve())})
     return out
 
@@ -234,8 +249,10 @@ def export_run_checkpoint(run_dir: Path, version: int, out: Path) -> Path:
     adapter = paths.checkpoint_dir(version)
     complete = paths.complete_checkpoints()
     if version not in complete:
-        raise ArlError(f"no complete checkpoint of version {version} in {paths.checkpoints} "
-                       f"(complete: {', '.join(map(str, complete)) or 'none'})")  # fmt: skip
+        raise ArlError(
+            f"no complete checkpoint of version {version} in {paths.checkpoints} "
+            f"(complete: {', '.join(map(str, complete)) or 'none'})"
+        )
     if not is_adapter_dir(adapter):
         raise ArlError(f"{adapter} holds full weights (a run without trainer.lora): it is already a Hugging Face model")
     if out.exists():

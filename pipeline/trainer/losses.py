@@ -160,15 +160,22 @@ def policy_loss(
             raise ValueError("entropy_coef != 0 needs the per-token entropy")
         per_token = per_token - algo.entropy_coef * entropy * keep
     loss = (batch.weights * per_token).sum()
-    result = LossOutput(loss=loss, **_diagnostics(logp, prox, behav, ratio, pg_unclipped, pg_clipped, imp_weight,
-                                                   mask, entropy, kl_ref))  # fmt: skip
+    result = LossOutput(
+        loss=loss, **_diagnostics(logp, prox, behav, ratio, pg_unclipped, pg_clipped, imp_weight, mask, entropy, kl_ref)
+    )
     if batch.prox_logp is not None:  # decoupled: the behaviour-proximal mismatch (none without a proximal policy)
         _mismatch_diagnostics(result, prox, behav, mask, keep, out)
     return result
 
 
-def _mismatch_diagnostics(result: LossOutput, prox: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor,
-                          keep: torch.Tensor, out: torch.Tensor) -> None:  # fmt: skip
+def _mismatch_diagnostics(
+    result: LossOutput,
+    prox: torch.Tensor,
+    behav: torch.Tensor,
+    mask: torch.Tensor,
+    keep: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
     """Token sums of k3 KL(behav || prox) = E[w - 1 - log w], of out-of-bounds and dropped tokens, and the trained
     tokens' log w for the percentiles (`pipeline.trainer.metrics.mismatch_metrics`)."""
     with torch.no_grad():

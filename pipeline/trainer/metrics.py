@@ -29,8 +29,11 @@ def open_sinks(config: ArlConfig, paths: RunPaths, rank: int, *, redo_step: int 
     per file, one W&B run per stage). `redo_step`: the `--step N` being redone (W&B logs it to a run of its own)."""
     if rank != 0:
         return NullSink()
-    return MultiSink(JsonlSink(paths.train_metrics), TensorBoardSink(paths.tensorboard, "train"),
-                     open_wandb(config, paths, "train", prefix="train", redo_step=redo_step))  # fmt: skip
+    return MultiSink(
+        JsonlSink(paths.train_metrics),
+        TensorBoardSink(paths.tensorboard, "train"),
+        open_wandb(config, paths, "train", prefix="train", redo_step=redo_step),
+    )
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -68,11 +71,15 @@ class Timings:
 
 def publish_figures(timings: Timings) -> dict[str, float]:
     """The publication's part of a step's metrics row, and the step's wall time (it ends with the publication)."""
-    return {"time_publish_s": timings.publish_s, "time_eval_hold_s": timings.eval_hold_s,
-            "weight_sync_s": timings.weight_sync_s, "verify_s": timings.verify_s,
-            "servers_recovered": timings.servers_recovered,
-            "time_step_s": time.perf_counter() - timings.started,
-            "cpu_s": time.process_time() - timings.cpu_started}  # fmt: skip
+    return {
+        "time_publish_s": timings.publish_s,
+        "time_eval_hold_s": timings.eval_hold_s,
+        "weight_sync_s": timings.weight_sync_s,
+        "verify_s": timings.verify_s,
+        "servers_recovered": timings.servers_recovered,
+        "time_step_s": time.perf_counter() - timings.started,
+        "cpu_s": time.process_time() - timings.cpu_started,
+    }
 
 
 def step_metrics(

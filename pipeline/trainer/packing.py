@@ -65,14 +65,22 @@ class MicroBatch:
     def to(self, device: torch.device) -> MicroBatch:
         t = self.tokens
         moved = TokenBatch(
-            mask=t.mask.to(device), weights=t.weights.to(device), advantages=t.advantages.to(device),
+            mask=t.mask.to(device),
+            weights=t.weights.to(device),
+            advantages=t.advantages.to(device),
             behav_logp=t.behav_logp.to(device),
             prox_logp=None if t.prox_logp is None else t.prox_logp.to(device),
             ref_logp=None if t.ref_logp is None else t.ref_logp.to(device),
             seq_index=None if t.seq_index is None else t.seq_index.to(device),
-        )  # fmt: skip
-        return MicroBatch(self.input_ids.to(device), self.position_ids.to(device), self.targets.to(device), moved,
-                          self.sample_index, self.lengths)  # fmt: skip
+        )
+        return MicroBatch(
+            self.input_ids.to(device),
+            self.position_ids.to(device),
+            self.targets.to(device),
+            moved,
+            self.sample_index,
+            self.lengths,
+        )
 
 
 def pack_first_fit(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -179,10 +187,13 @@ def build_padded_micro_batch(
         behav[r, : n - 1] = s.logprobs[1:]
         w[r] = mask[r] * weights[i]
         adv[r] = mask[r] * advantages[i]
-    tokens = TokenBatch(mask=torch.from_numpy(mask.ravel()), weights=torch.from_numpy(w.ravel()),
-                        advantages=torch.from_numpy(adv.ravel()),
-                        behav_logp=torch.from_numpy((behav * mask).ravel()),
-                        seq_index=torch.arange(rows).repeat_interleave(width))  # fmt: skip
+    tokens = TokenBatch(
+        mask=torch.from_numpy(mask.ravel()),
+        weights=torch.from_numpy(w.ravel()),
+        advantages=torch.from_numpy(adv.ravel()),
+        behav_logp=torch.from_numpy((behav * mask).ravel()),
+        seq_index=torch.arange(rows).repeat_interleave(width),
+    )
     return MicroBatch(
         input_ids=torch.from_numpy(ids),
         position_ids=torch.arange(width, dtype=torch.int64).expand(rows, width).contiguous(),
@@ -196,8 +207,14 @@ def build_padded_micro_batch(
 def empty_micro_batch() -> MicroBatch:
     """A one-token row with zero weight: keeps data-parallel ranks in lock-step when one has less work."""
     zero = torch.zeros(1)
-    return MicroBatch(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
-                      torch.zeros(1, dtype=torch.long), TokenBatch(zero, zero, zero, zero), [], [1])  # fmt: skip
+    return MicroBatch(
+        torch.zeros(1, 1, dtype=torch.long),
+        torch.zeros(1, 1, dtype=torch.long),
+        torch.zeros(1, dtype=torch.long),
+        TokenBatch(zero, zero, zero, zero),
+        [],
+        [1],
+    )
 
 
 def split_minibatches(num_samples: int, minibatches: int, seed: int, step: int) -> list[list[int]]:

@@ -42,20 +42,31 @@ def synthetic_rows(
             n = lens[k % len(lens)]
             k += 1
             completion = (good if j % 2 == 0 else bad)[:n]
-            rows.append(_row(step, g, j, prompt, completion, 1.0 if j % 2 == 0 else 0.0,
-                             step if version is None else version))  # fmt: skip
+            rows.append(
+                _row(step, g, j, prompt, completion, 1.0 if j % 2 == 0 else 0.0, step if version is None else version)
+            )
     return rows
 
 
 def _row(step: int, g: int, j: int, prompt: list[int], completion: list[int], reward: float, version: int) -> dict:
     n_p, n_c = len(prompt), len(completion)
     return {
-        "step": step, "session_id": f"s{step}-{g}-{j}", "sample_id": f"x{step}-{g}-{j}", "parent_id": None,
-        "group_id": f"g{step}-{g}", "input_ids": prompt + completion, "loss_mask": [0] * n_p + [1] * n_c,
-        "logprobs": [0.0] * (n_p + n_c), "versions": [-1] * n_p + [version] * n_c, "reward": reward,
-        "prompt_len": n_p, "num_turns": 1, "finish_reason": "stop", "created_at": 1_700_000_000_000,
+        "step": step,
+        "session_id": f"s{step}-{g}-{j}",
+        "sample_id": f"x{step}-{g}-{j}",
+        "parent_id": None,
+        "group_id": f"g{step}-{g}",
+        "input_ids": prompt + completion,
+        "loss_mask": [0] * n_p + [1] * n_c,
+        "logprobs": [0.0] * (n_p + n_c),
+        "versions": [-1] * n_p + [version] * n_c,
+        "reward": reward,
+        "prompt_len": n_p,
+        "num_turns": 1,
+        "finish_reason": "stop",
+        "created_at": 1_700_000_000_000,
         "metadata": json.dumps({"synthetic": True}),
-    }  # fmt: skip
+    }
 
 
 def add_behaviour_logprobs(rows: list[dict[str, Any]], model_dir: str | Path) -> list[dict[str, Any]]:

@@ -72,10 +72,14 @@ class TorchBackend:
         self.num_params = sum(p.numel() for p in self.model.parameters())
         opt = self.config.trainer.optimizer
         self.optimizer = torch.optim.AdamW(
-            lora.param_groups(self.model, opt.lr, self.config.trainer.lora), lr=opt.lr, betas=opt.betas, eps=opt.eps,
+            lora.param_groups(self.model, opt.lr, self.config.trainer.lora),
+            lr=opt.lr,
+            betas=opt.betas,
+            eps=opt.eps,
             weight_decay=opt.weight_decay,
-            fused=self.device.type == "cuda", foreach=self.device.type != "cuda",  # CPU: batched, not per tensor
-        )  # fmt: skip
+            fused=self.device.type == "cuda",
+            foreach=self.device.type != "cuda",  # CPU: batched, not per tensor
+        )
         self.scheduler = make_scheduler(self.optimizer, opt, self.total_updates)
         if state is not None:
             self._load_state(state)
@@ -92,9 +96,10 @@ class TorchBackend:
         dtype = torch.float32 if self.device.type == "cuda" else self.save_dtype
         adapter = path if self.config.trainer.lora is not None and lora.is_adapter_dir(path) else None
         model = AutoModelForCausalLM.from_pretrained(
-            self.config.model.path if adapter else str(path), dtype=dtype,
+            self.config.model.path if adapter else str(path),
+            dtype=dtype,
             attn_implementation=attn_implementation(self.device),
-        )  # fmt: skip
+        )
         model.to(self.device)  # type: ignore[arg-type]
         model.config.use_cache = False
         if trainable:

@@ -89,9 +89,11 @@ class ArlConfig(Block):
         unnamed = [s.name for s in self.eval.sets if s.agent is None]
         if self.rollout.tasks and unnamed:
             raise PydanticCustomError(
-                UNSUPPORTED, "eval sets {names} use the training agent, but a run with rollout.tasks has one per "
-                "task: give each set its `agent` (and `agent_kwargs`)", {"names": unnamed},
-            )  # fmt: skip
+                UNSUPPORTED,
+                "eval sets {names} use the training agent, but a run with rollout.tasks has one per "
+                "task: give each set its `agent` (and `agent_kwargs`)",
+                {"names": unnamed},
+            )
         return self
 
     @model_validator(mode="after")
@@ -100,9 +102,11 @@ class ArlConfig(Block):
         in_run = bool(self.eval.versions(self.num_steps))
         if in_run and self.rollout.source == "external":
             raise PydanticCustomError(
-                UNSUPPORTED, "eval.every / eval.at_start run in the rollout stage, which a run with "
-                "rollout.source=external does not have: evaluate its checkpoints with `arl eval` instead", {},
-            )  # fmt: skip
+                UNSUPPORTED,
+                "eval.every / eval.at_start run in the rollout stage, which a run with "
+                "rollout.source=external does not have: evaluate its checkpoints with `arl eval` instead",
+                {},
+            )
         reserve = self.eval.concurrency() if in_run else 0
         if reserve and self.proxy.max_sessions <= reserve:
             raise PydanticCustomError(
@@ -118,10 +122,11 @@ class ArlConfig(Block):
         """Several proxy workers are other processes: no agent request can be handed to them in process."""
         if self.proxy.workers > 1 and self.rollout.source == "agent" and self.rollout.agent_transport == "in_process":
             raise PydanticCustomError(
-                UNSUPPORTED, "proxy.workers={workers} runs the proxy in other processes, which inline agents cannot "
+                UNSUPPORTED,
+                "proxy.workers={workers} runs the proxy in other processes, which inline agents cannot "
                 "reach in process: set rollout.agent_transport=http (or proxy.workers=1)",
                 {"workers": self.proxy.workers},
-            )  # fmt: skip
+            )
         return self
 
     @model_validator(mode="after")

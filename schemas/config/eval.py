@@ -88,18 +88,22 @@ class EvalConfig(Block):
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise PydanticCustomError(
-                UNSUPPORTED, "eval.sets: the names {names} are used twice; each set needs its own (it names the "
-                "set's results and shard directory)", {"names": twice},
-            )  # fmt: skip
+                UNSUPPORTED,
+                "eval.sets: the names {names} are used twice; each set needs its own (it names the "
+                "set's results and shard directory)",
+                {"names": twice},
+            )
         return self
 
     @model_validator(mode="after")
     def _schedule_needs_sets(self) -> EvalConfig:
         if (self.every is not None or self.at_start) and not self.sets:
             raise PydanticCustomError(
-                UNSUPPORTED, "eval.every / eval.at_start evaluate during the run, but eval.sets is empty: add a set "
-                "(a name and a path) or remove them", {},
-            )  # fmt: skip
+                UNSUPPORTED,
+                "eval.every / eval.at_start evaluate during the run, but eval.sets is empty: add a set "
+                "(a name and a path) or remove them",
+                {},
+            )
         return self
 
     def versions(self, num_steps: int) -> list[int]:

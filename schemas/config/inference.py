@@ -66,11 +66,19 @@ class InferenceConfig(Block):
 # tensor-parallel ranks, nothing else), per backend: full name -> the shortest form its parser accepts.
 # SGLang's argparse takes any unambiguous prefix; vLLM takes its full names and the short aliases.
 _REPLICA_FLAGS: dict[str, dict[str, str]] = {
-    "sglang": {"--dp-size": "--dp", "--data-parallel-size": "--data-p", "--pp-size": "--pp-s",
-               "--pipeline-parallel-size": "--pipeline-p"},
-    "vllm": {"--data-parallel-size": "--data-parallel-size", "-dp": "-dp",
-             "--pipeline-parallel-size": "--pipeline-parallel-size", "-pp": "-pp"},
-}  # fmt: skip
+    "sglang": {
+        "--dp-size": "--dp",
+        "--data-parallel-size": "--data-p",
+        "--pp-size": "--pp-s",
+        "--pipeline-parallel-size": "--pipeline-p",
+    },
+    "vllm": {
+        "--data-parallel-size": "--data-parallel-size",
+        "-dp": "-dp",
+        "--pipeline-parallel-size": "--pipeline-parallel-size",
+        "-pp": "-pp",
+    },
+}
 
 
 def replica_flags(backend: str, extra_args: list[str]) -> list[tuple[str, str]]:

@@ -103,21 +103,29 @@ class RolloutConfig(Block):
             return self
         # by value, not by the fields set: a frozen run config (`config.yaml`) holds every default
         fields = type(self).model_fields
-        both = sorted(k for k in ("agent", "agent_kwargs", "dataset") if getattr(self, k) != fields[k].get_default(
-            call_default_factory=True))  # fmt: skip
+        both = sorted(
+            k
+            for k in ("agent", "agent_kwargs", "dataset")
+            if getattr(self, k) != fields[k].get_default(call_default_factory=True)
+        )
         if both:
             raise PydanticCustomError(
-                UNSUPPORTED, "rollout.tasks is set, and so is rollout.{keys}: give each task its own agent and "
-                "dataset in rollout.tasks, or use the one-task shorthand without tasks", {"keys": "/".join(both)},
-            )  # fmt: skip
+                UNSUPPORTED,
+                "rollout.tasks is set, and so is rollout.{keys}: give each task its own agent and "
+                "dataset in rollout.tasks, or use the one-task shorthand without tasks",
+                {"keys": "/".join(both)},
+            )
         names = [t.name for t in self.tasks]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
-            raise PydanticCustomError(UNSUPPORTED, "rollout.tasks: the names {names} are used twice",
-                                      {"names": twice})  # fmt: skip
+            raise PydanticCustomError(UNSUPPORTED, "rollout.tasks: the names {names} are used twice", {"names": twice})
         if self.source == "external":
-            raise PydanticCustomError(UNSUPPORTED, "rollout.tasks runs agents in the rollout stage, which a run "
-                                      "with rollout.source=external does not have", {})  # fmt: skip
+            raise PydanticCustomError(
+                UNSUPPORTED,
+                "rollout.tasks runs agents in the rollout stage, which a run "
+                "with rollout.source=external does not have",
+                {},
+            )
         return self
 
     def task_list(self) -> list[TaskConfig]:

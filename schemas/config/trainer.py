@@ -34,9 +34,10 @@ class MismatchConfig(Block):
             )
         if self.low is not None and self.high is not None and self.low >= self.high:
             raise PydanticCustomError(
-                UNSUPPORTED, "trainer.algorithm.mismatch: low ({low}) must be below high ({high})",
+                UNSUPPORTED,
+                "trainer.algorithm.mismatch: low ({low}) must be below high ({high})",
                 {"low": self.low, "high": self.high},
-            )  # fmt: skip
+            )
         return self
 
 
@@ -196,25 +197,30 @@ class TrainerConfig(Block):
     def _adapter_publication_reads_disk(self) -> TrainerConfig:
         if self.publishes_adapters and self.weight_sync != "disk":
             raise PydanticCustomError(
-                UNSUPPORTED, "trainer.lora.publish=adapter: servers load each adapter from its checkpoint directory, "
-                "so it needs trainer.weight_sync=disk (or trainer.lora.publish=merged to broadcast merged weights)", {}
-            )  # fmt: skip
+                UNSUPPORTED,
+                "trainer.lora.publish=adapter: servers load each adapter from its checkpoint directory, "
+                "so it needs trainer.weight_sync=disk (or trainer.lora.publish=merged to broadcast merged weights)",
+                {},
+            )
         return self
 
     @model_validator(mode="after")
     def _adapter_publication_is_plain_lora(self) -> TrainerConfig:
         if self.publishes_adapters and self.lora is not None and self.lora.modules_to_save:
             raise PydanticCustomError(
-                UNSUPPORTED, "trainer.lora.modules_to_save needs trainer.lora.publish=merged: SGLang's, vLLM's and "
-                "the hf engine's LoRA routes load A and B matrices only, not trained norms", {}
-            )  # fmt: skip
+                UNSUPPORTED,
+                "trainer.lora.modules_to_save needs trainer.lora.publish=merged: SGLang's, vLLM's and "
+                "the hf engine's LoRA routes load A and B matrices only, not trained norms",
+                {},
+            )
         return self
 
     @model_validator(mode="after")
     def _lora_needs_torch(self) -> TrainerConfig:
         if self.lora is not None and self.backend == "megatron":
             raise PydanticCustomError(
-                UNSUPPORTED, "trainer.lora needs trainer.backend=torch (the megatron backend trains full weights only)",
+                UNSUPPORTED,
+                "trainer.lora needs trainer.backend=torch (the megatron backend trains full weights only)",
                 {},
-            )  # fmt: skip
+            )
         return self

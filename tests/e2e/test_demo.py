@@ -108,7 +108,9 @@ def check_arl_eval(arl: list[str], run_dir: Path, cwd: Path) -> None:
     assert line["pass@1"] == sum(exact) / 90 == manifest.extra["pass@1"]
     *in_run, logged = [json.loads(x) for x in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()]
     assert [(x["version"], x["weights"], x["runs"]) for x in in_run] == [
-        (0, "engines at version 0", 90), (STEPS, f"engines at version {STEPS}", 90)], "the run's own evaluations"
+        (0, "engines at version 0", 90),
+        (STEPS, f"engines at version {STEPS}", 90),
+    ], "the run's own evaluations"
     assert logged["pass@1"] == line["pass@1"] and logged["step"] == STEPS and logged["weights"] == line["weights"]
     assert list((run_dir / "metrics" / "tb" / "eval").glob("events.out.tfevents.*")), "TensorBoard has the figures"
     status = subprocess.run([*arl, "status", str(run_dir)], cwd=cwd, env={**_env(), "COLUMNS": "200"},
@@ -122,7 +124,8 @@ def check_arl_eval(arl: list[str], run_dir: Path, cwd: Path) -> None:
         refused = subprocess.run([*arl, "eval", str(run_dir), *bad], cwd=cwd, env=_env(), capture_output=True,
                                  text=True, timeout=120)  # fmt: skip
         assert refused.returncode == 2 and says in refused.stderr and len(refused.stderr.splitlines()) == 1, (
-            refused.stderr)
+            refused.stderr
+        )
 
 
 def build_wheel(dest: Path) -> Path:

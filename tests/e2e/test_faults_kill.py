@@ -218,7 +218,7 @@ def rollout_run(tmp_path: Path, model_dir: Path, num_steps: int, engine_url: str
     return paths
 
 
-AGENT = '''
+AGENT = """
 from openai import AsyncOpenAI
 
 class OneCall:
@@ -227,7 +227,7 @@ class OneCall:
         await client.chat.completions.create(model="m", messages=[{"role": "user", "content": data["q"]}],
                                              max_tokens=3)
         return float(data["i"] % 2)
-'''
+"""
 
 
 def assert_rollout_steps_exactly_once(paths: RunPaths, num_steps: int) -> None:

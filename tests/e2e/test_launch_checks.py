@@ -22,13 +22,13 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 AGENT = f"{REPO}/examples/demo_agent.py:DemoAgent"
 DATA = f"{REPO}/examples/data/demo.jsonl"
-NEEDS_FIELDS = '''
+NEEDS_FIELDS = """
 class FieldAgent:
     required_fields = ("question", "answer")
 
     async def run(self, data, **kwargs):
         return 0.0
-'''
+"""
 
 
 def _slurm_up() -> bool:
@@ -76,8 +76,10 @@ def test_a_good_config_passes_every_check(workdir: Path) -> None:
         ("rollout.agent=/nonexistent/agent.py:Agent", "rollout.agent='/nonexistent/agent.py:Agent':"),
         ("rollout.agent=json:dumps", "rollout.agent='json:dumps':"),
         ("rollout.dataset.path=/nonexistent/data.jsonl", "rollout.dataset.path='/nonexistent/data.jsonl':"),
-        ("eval.sets=[{name: held, path: /nonexistent/held.jsonl, max_concurrency: 4}]",
-         "eval.sets[0].path='/nonexistent/held.jsonl':"),
+        (
+            "eval.sets=[{name: held, path: /nonexistent/held.jsonl, max_concurrency: 4}]",
+            "eval.sets[0].path='/nonexistent/held.jsonl':",
+        ),
         ("inference.backend=sglang", "inference.backend='sglang':"),
     ],
 )
@@ -173,7 +175,7 @@ def test_a_venv_activated_only_by_setup_runs_the_stage_under_plain_sbatch(workdi
     try:
         deadline = time.monotonic() + 240
         while not list((run_dir / "registry" / "inference").glob("*.json")):
-            log = (run_dir / "logs" / "inference" / "attempt_1.log")
+            log = run_dir / "logs" / "inference" / "attempt_1.log"
             assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
             time.sleep(1.0)
     finally:

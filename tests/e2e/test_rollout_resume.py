@@ -27,7 +27,7 @@ from pipeline.run.paths import RunPaths
 
 pytestmark = pytest.mark.slow
 
-AGENT = '''
+AGENT = """
 import asyncio, os
 from openai import AsyncOpenAI
 
@@ -42,7 +42,7 @@ class HoldingAgent:
             while os.path.exists(hold):
                 await asyncio.sleep(0.05)
         return float(data["i"] % 2)
-'''
+"""
 ARL = str(Path(sys.executable).with_name("arl"))
 
 

@@ -114,8 +114,10 @@ def test_demo_under_slurm_survives_a_cancelled_trainer(tmp_path: Path, tiny_mode
     assert json.loads(paths.weight_version.read_text())["version"] == NUM_STEPS
     # the demo config evaluates versions 0 and the last one during the run: each once, across the cancel
     evaluations = [json.loads(line) for line in paths.eval_metrics.read_text().splitlines()]
-    assert [(e["version"], e["set"], e["runs"]) for e in evaluations] == [(0, "repeat-greedy", 90),
-                                                                          (NUM_STEPS, "repeat-greedy", 90)]
+    assert [(e["version"], e["set"], e["runs"]) for e in evaluations] == [
+        (0, "repeat-greedy", 90),
+        (NUM_STEPS, "repeat-greedy", 90),
+    ]
 
     assert arl("stop", str(paths.root)).returncode == 0
     assert arl("status", str(paths.root)).returncode == 0

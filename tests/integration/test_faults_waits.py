@@ -22,7 +22,7 @@ from pipeline.run.config import dump_config, validate_config
 from pipeline.run.paths import RunPaths
 
 REPO = Path(__file__).resolve().parents[2]
-AGENT = '''
+AGENT = """
 from openai import AsyncOpenAI
 
 class OneCall:
@@ -31,7 +31,7 @@ class OneCall:
         await client.chat.completions.create(model="m", messages=[{"role": "user", "content": data["q"]}],
                                              max_tokens=2)
         return float(data["i"] % 2)
-'''
+"""
 
 
 @pytest.fixture(scope="module")

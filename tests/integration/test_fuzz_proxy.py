@@ -165,8 +165,14 @@ def test_valid_conversations_with_arbitrary_text_through_the_sdk(target: Target)
     from schemas.trajectory import validate_row
 
     text = st.text(st.characters(exclude_categories=["Cs"]), max_size=40)
-    tool = {"type": "function", "function": {"name": "lookup", "description": "look something up",
-                                             "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "look something up",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+        },
+    }
     turn = st.fixed_dictionaries({"user": text, "stream": st.booleans(), "tools": st.booleans(),
                                   "temperature": st.none() | st.floats(0, 2), "top_p": st.none() | st.floats(0.01, 1),
                                   "stop": st.none() | st.lists(text.filter(bool), max_size=2)})  # fmt: skip

@@ -165,11 +165,16 @@ async def test_bad_input_is_a_4xx_in_each_apis_shape(http: httpx.AsyncClient) ->
     # Anthropic shape on /v1/messages, including FastAPI's own validation errors
     prefilled = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     use = {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {}}
-    unanswered = [{"role": "user", "content": "x"}, {"role": "assistant", "content": [use]},
-                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "content": "3"}]}]
-    for body, needle in (({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
-                         ({"max_tokens": 5, "messages": prefilled}, "prefill"),
-                         ({"max_tokens": 5, "messages": unanswered}, "no tool_use block with that id")):
+    unanswered = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": [use]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "content": "3"}]},
+    ]
+    for body, needle in (
+        ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
+        ({"max_tokens": 5, "messages": prefilled}, "prefill"),
+        ({"max_tokens": 5, "messages": unanswered}, "no tool_use block with that id"),
+    ):
         r = await http.post("/v1/messages", headers={"x-api-key": s["api_key"]}, json=body)
         assert r.status_code == 400 and r.json()["type"] == "error", r.text
         assert needle in r.json()["error"]["message"]

@@ -32,8 +32,8 @@ from pipeline.run.handoff import read_json
 from pipeline.run.paths import RunPaths
 from pipeline.run.stage import StageContext
 from pipeline.trainer.loop import run_trainer
-from pipeline.trainer.publish.publisher import buckets
 from pipeline.trainer.publish import publisher as publish
+from pipeline.trainer.publish.publisher import buckets
 from schemas.engine_api import InferenceEntry
 
 OVERRIDES = ["num_steps=1", "trainer.optimizer.lr=0.01", "rollout.max_staleness=10", "trainer.wait_timeout_s=30",

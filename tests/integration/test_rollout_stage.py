@@ -278,8 +278,11 @@ async def test_staleness_gate_blocks_until_the_version_arrives(tmp_path: Path, t
         await asyncio.sleep(1.5)
         assert not task.done() and not paths.step_manifest(1).exists(), "the engine still serves version 0"
         async with httpx.AsyncClient() as http:
-            response = await http.post(f"{server.url}/update_weights_from_disk",
-                                       json={"model_path": str(tiny_model_dir), "weight_version": "1"}, timeout=60)
+            response = await http.post(
+                f"{server.url}/update_weights_from_disk",
+                json={"model_path": str(tiny_model_dir), "weight_version": "1"},
+                timeout=60,
+            )
             assert response.status_code == 200, response.text
         assert await asyncio.wait_for(task, 60) == [0, 1]
     rows = read_rows(paths, 1)

@@ -9,7 +9,7 @@ from pipeline.agents.loading import resolve_agent
 from pipeline.agents.runner import RunContext, SubprocExecutor
 from pipeline.proxy.control import SessionInfo
 
-AGENTS = '''
+AGENTS = """
 import os, time
 
 class EnvAgent:
@@ -22,7 +22,7 @@ class EnvAgent:
                os.environ["ANTHROPIC_BASE_URL"], os.environ["ANTHROPIC_API_KEY"])
         expected = (kwargs["base_url"], kwargs["api_key"], kwargs["anthropic_base_url"], kwargs["api_key"])
         return {"pid": float(os.getpid())} if env == expected else None
-'''
+"""
 
 
 async def test_subproc_env_errors_and_timeouts(tmp_path: Path) -> None:

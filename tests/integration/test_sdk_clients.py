@@ -87,8 +87,9 @@ async def test_the_in_process_client_streams_and_records_like_tcp(proxy: Any) ->
     rows = []
     for in_process in (True, False):
         s = await _admin(proxy.url, "/rl/start_session")
-        http = agent_http_client(60, proxy_url=proxy.url, proxy_app=proxy.app,
-                                 transport="in_process" if in_process else "http")
+        http = agent_http_client(
+            60, proxy_url=proxy.url, proxy_app=proxy.app, transport="in_process" if in_process else "http"
+        )
         async with http:
             client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=s["api_key"], http_client=http)
             chunks = [c async for c in await client.chat.completions.create(**ask)]
@@ -130,15 +131,22 @@ async def test_anthropic_sdk_tools_and_streaming(proxy: Any) -> None:
     client = anthropic.AsyncAnthropic(base_url=proxy.url, api_key=s["api_key"])
     tools = [{"name": "add", "description": "Add two numbers", "input_schema": {"type": "object", "properties": {}}}]
     msgs: list[Any] = [{"role": "user", "content": "What is 1 + 2?"}]
-    m1 = await client.messages.create(model="m", max_tokens=16, system="You are a calculator.", messages=msgs,
-                                      tools=tools, tool_choice={"type": "tool", "name": "add"})  # type: ignore[arg-type]
+    m1 = await client.messages.create(
+        model="m",
+        max_tokens=16,
+        system="You are a calculator.",
+        messages=msgs,
+        tools=tools,
+        tool_choice={"type": "tool", "name": "add"},
+    )  # type: ignore[arg-type]
     assert m1.stop_reason == "tool_use"
     (use,) = [b for b in m1.content if b.type == "tool_use"]
     assert (use.name, use.input) == ("add", {})
     msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m1.content]},
              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "3"}]}]  # fmt: skip
-    async with client.messages.stream(model="m", max_tokens=16, system="You are a calculator.", messages=msgs,
-                                      tools=tools) as stream:  # type: ignore[arg-type]
+    async with client.messages.stream(
+        model="m", max_tokens=16, system="You are a calculator.", messages=msgs, tools=tools
+    ) as stream:  # type: ignore[arg-type]
         text = "".join([t async for t in stream.text_stream])
         final = await stream.get_final_message()
     assert text == "</tool_call>" and final.stop_reason == "end_turn"
@@ -156,10 +164,15 @@ async def test_responses_api_previous_response_id_and_stream(proxy: Any) -> None
                                        temperature=0)  # fmt: skip
     (call,) = [o for o in r1.output if o.type == "function_call"]
     assert (call.name, call.arguments) == ("add", "{}")
-    stream = await client.responses.create(model="m", instructions="You are a calculator.", previous_response_id=r1.id,
-                                           input=[{"type": "function_call_output", "call_id": call.call_id,
-                                                   "output": "3"}],
-                                           tools=tools, temperature=0, stream=True)  # type: ignore[arg-type]
+    stream = await client.responses.create(
+        model="m",
+        instructions="You are a calculator.",
+        previous_response_id=r1.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "3"}],
+        tools=tools,
+        temperature=0,
+        stream=True,
+    )  # type: ignore[arg-type]
     events = [e async for e in stream]
     kinds = [e.type for e in events]
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"

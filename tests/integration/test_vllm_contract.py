@@ -50,7 +50,8 @@ from schemas.engine_api import GenerateReqInput
 VLLM_PYTHON = vllm_venv_python()
 JUDGE = Path(__file__).with_name("vllm_judge.py")
 ADAPTER_SOURCES = [
-    REPO_ROOT / "pipeline" / "engine" / "server" / "vllm" / f"{name}.py" for name in ("adapter", "gate", "lora_adapters")
+    REPO_ROOT / "pipeline" / "engine" / "server" / "vllm" / f"{name}.py"
+    for name in ("adapter", "gate", "lora_adapters")
 ]
 SERVED = "arl-policy"
 MAX_CONTEXT = 512

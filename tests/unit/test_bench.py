@@ -36,8 +36,10 @@ def test_a_partial_run_keeps_the_other_sections(tmp_path: Path) -> None:
 def test_each_section_names_the_machine_of_its_own_run(tmp_path: Path) -> None:
     """A partial run on another machine must not relabel the sections measured elsewhere."""
     out = tmp_path / "RESULTS.md"
-    old = ("# Benchmark results\n\nMachine: Old Xeon, 2 cores  \nLatest run: 2026-01-01 00:00 UTC  \nnote\n\n"
-           "## alpha\n\n`benchmarks/alpha.py` (1.0 s, 2026-01-01 00:00 UTC). Reference: -\n\n| figure | value |\n")
+    old = (
+        "# Benchmark results\n\nMachine: Old Xeon, 2 cores  \nLatest run: 2026-01-01 00:00 UTC  \nnote\n\n"
+        "## alpha\n\n`benchmarks/alpha.py` (1.0 s, 2026-01-01 00:00 UTC). Reference: -\n\n| figure | value |\n"
+    )
     out.write_text(old)
     write_results([_result("beta", figures={"v": 3.0})], [], out)
     sections = out.read_text().split("\n## ")

@@ -92,5 +92,9 @@ def test_a_line_cut_by_a_kill_is_restored_from_the_shards_once(tmp_path: Path) -
     assert restore_lines(paths, cfg, [5, 10]) == 1
     assert restore_lines(paths, cfg, [5, 10]) == 0, "a line already there is not written twice"
     (line,) = [json.loads(x) for x in paths.eval_metrics.read_text().splitlines()]
-    assert (line["version"], line["set"], line["reward_mean"], line["weights"]) == (5, "held", 0.25,
-                                                                                    "engines at version 5")
+    assert (line["version"], line["set"], line["reward_mean"], line["weights"]) == (
+        5,
+        "held",
+        0.25,
+        "engines at version 5",
+    )

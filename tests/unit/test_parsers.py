@@ -112,8 +112,12 @@ _PIECES = st.sampled_from([
 
 
 @settings(max_examples=300, deadline=None)
-@given(pieces=st.lists(_PIECES, max_size=14), cuts=st.lists(st.integers(1, 7), min_size=1, max_size=40),
-       tool=st.sampled_from(["hermes", "llama3_json", "none"]), reasoning=st.sampled_from(["think", "none"]))
+@given(
+    pieces=st.lists(_PIECES, max_size=14),
+    cuts=st.lists(st.integers(1, 7), min_size=1, max_size=40),
+    tool=st.sampled_from(["hermes", "llama3_json", "none"]),
+    reasoning=st.sampled_from(["think", "none"]),
+)
 def test_any_chunking_gives_the_whole_text_result(pieces: list[str], cuts: list[int], tool: str,
                                                   reasoning: str) -> None:  # fmt: skip
     """Streaming equals non-streaming: the property the proxy's streamed answers rely on."""

@@ -37,7 +37,7 @@ def test_status_shows_progress_and_the_last_steps_metrics(tmp_path: Path) -> Non
     assert show_status(paths.root, console=console) == 0
     text = console.export_text()
     assert "newest complete step: 6 (7 complete)" in text and "weight version: 6 (steps 0-5 trained)" in text
-    table = text[text.index("last 5 steps"):]
+    table = text[text.index("last 5 steps") :]
     assert "reward" in table and "length" in table and "loss" in table and "version" in table
     assert "0.600" in table and "0.1250" in table
     assert " 42.0 " in table and " 41.0 " not in table  # sample_len_mean of steps 2..6 only

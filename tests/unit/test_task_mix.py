@@ -34,7 +34,8 @@ def test_the_mix_follows_the_weights_over_many_steps(tmp_path: Path) -> None:
     assert shares == pytest.approx([3 / 4.5, 1 / 4.5, 0.5 / 4.5], abs=0.02)
     assert all(mix.counts(k).sum() == 8 for k in range(50))
     assert any(mix.counts(k)[2] == 0 for k in range(50)) and any(mix.counts(k)[2] > 0 for k in range(50)), (
-        "a draw per step, not a fixed rounding")
+        "a draw per step, not a fixed rounding"
+    )
 
 
 def test_a_step_is_a_pure_function_of_its_number(tmp_path: Path) -> None:

@@ -159,8 +159,10 @@ def test_sdk_reserialisation_still_extends(tiny_model_dir: Path) -> None:
                          output_logprobs=[0.0] * len(out), output_versions=[0] * len(out), messages=first,
                          response_message=reply)  # fmt: skip
     session.record(parent, prep.keys, message_key(reply), prep.tools_key)
-    calls = [{"id": "x", "type": "function", "function": {"name": "add", "arguments": '{"b":2,"a":1}'}},
-             {"id": "y", "type": "function", "function": {"name": "add", "arguments": '{"a":2, "b":1}'}}]
+    calls = [
+        {"id": "x", "type": "function", "function": {"name": "add", "arguments": '{"b":2,"a":1}'}},
+        {"id": "y", "type": "function", "function": {"name": "add", "arguments": '{"a":2, "b":1}'}},
+    ]
     resent = {"role": "assistant", "content": None, "refusal": None, "annotations": [], "tool_calls": calls}
     nxt = gen.prepare(session, CallSpec(messages=[*first, resent, {"role": "user", "content": "ok"}], tools=TOOLS))
     assert nxt.parent is not None and nxt.parent.id == "p" and not nxt.prefix_break
@@ -190,8 +192,13 @@ def test_edited_history_is_a_recorded_break(tiny_model_dir: Path) -> None:
 
 
 def test_segment_cached_encode_equals_plain_encode(tiny_model_dir: Path, tiny_llama_dir: Path) -> None:
-    texts = ["<|im_start|>user\nhé日本 <tool_call>{}</tool_call><|im_end|>\n", "  \n\n<think>x</think>", "",
-             "<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\n42<|eot_id|>", "<|im_end|><|im_end|>a"]
+    texts = [
+        "<|im_start|>user\nhé日本 <tool_call>{}</tool_call><|im_end|>\n",
+        "  \n\n<think>x</think>",
+        "",
+        "<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\n42<|eot_id|>",
+        "<|im_end|><|im_end|>a",
+    ]
     for model_dir in (tiny_model_dir, tiny_llama_dir):
         tok = ChatTokenizer(model_dir)
         for text in texts * 2:  # the second pass hits the cache

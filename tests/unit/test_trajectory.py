@@ -128,9 +128,7 @@ def test_concat_row_is_the_last_prompt_plus_output_with_every_segment_masked() -
     assert row.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1, 0, 1, 1, 1]
     assert row.versions == [-1, -1, -1, 3, 3, -1, -1, 3, -1, 4, 4, 4]
     sampled = [lp for lp, m in zip(row.logprobs, row.loss_mask, strict=True) if m]
-    assert sampled == pytest.approx(
-        tree.get("A").output_logprobs + tree.get("B").output_logprobs + c.output_logprobs
-    )
+    assert sampled == pytest.approx(tree.get("A").output_logprobs + tree.get("B").output_logprobs + c.output_logprobs)
     assert row.prompt_len == 3 and row.num_turns == 3 and row.reward == pytest.approx(1.0)
     assert row.sample_id == "C" and row.parent_id is None
     meta = json.loads(row.metadata)

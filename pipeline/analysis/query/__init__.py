@@ -28,9 +28,16 @@ ORDER BY {" ".join(["CASE table_name", *(f"WHEN '{v}' THEN {i}" for i, v in enum
 """What `--schema` runs: every view's columns, in view order then column order."""
 
 
-def query_command(args: Sequence[str], *, sql_file: Path | None = None, fmt: str = "table",
-                  output: Path | None = None, limit: int | None = None, schema: bool = False,
-                  verify: bool = True) -> int:  # fmt: skip
+def query_command(
+    args: Sequence[str],
+    *,
+    sql_file: Path | None = None,
+    fmt: str = "table",
+    output: Path | None = None,
+    limit: int | None = None,
+    schema: bool = False,
+    verify: bool = True,
+) -> int:
     """Run one query (or list the views with `schema`) over the run dirs in `args`; returns the exit code (0)."""
     import duckdb
 
@@ -61,12 +68,15 @@ def split_args(args: Sequence[str], *, sql_file: Path | None, schema: bool) -> t
     if sql_file is not None:
         return list(args), _nonempty(_read_sql(str(sql_file)), str(sql_file))
     if len(args) < 2:
-        raise QueryError('give one or more run dirs, then the SQL: arl query RUN_DIR [RUN_DIR ...] "SQL" '
-                         "(or --file FILE, or - to read it from stdin)")  # fmt: skip
+        raise QueryError(
+            'give one or more run dirs, then the SQL: arl query RUN_DIR [RUN_DIR ...] "SQL" '
+            "(or --file FILE, or - to read it from stdin)"
+        )
     *run_dirs, sql = args
     if os.path.isdir(sql):  # not Path.is_dir: a long SQL text is a name too long for stat, an OSError
-        raise QueryError(f"the last argument must be the SQL, got the directory {sql}: "
-                         'arl query RUN_DIR [RUN_DIR ...] "SQL"')  # fmt: skip
+        raise QueryError(
+            f'the last argument must be the SQL, got the directory {sql}: arl query RUN_DIR [RUN_DIR ...] "SQL"'
+        )
     return run_dirs, _nonempty(_read_sql(sql) if sql == "-" else sql, "the SQL argument")
 
 

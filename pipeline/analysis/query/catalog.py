@@ -167,8 +167,10 @@ def _load_steps(con: duckdb.DuckDBPyConnection, data: StepsData) -> None:
         path = Path(tmp) / "steps.jsonl"
         path.write_text("".join(json.dumps(row) + "\n" for row in data.rows))
         types = ", ".join(f"{_literal(name)}: {_literal(kind)}" for name, kind in data.columns)
-        con.execute(f"CREATE TABLE steps AS SELECT * FROM read_json({_literal(str(path))}, "
-                    f"format = 'newline_delimited', columns = {{{types}}})")  # fmt: skip
+        con.execute(
+            f"CREATE TABLE steps AS SELECT * FROM read_json({_literal(str(path))}, "
+            f"format = 'newline_delimited', columns = {{{types}}})"
+        )
 
 
 def _empty_shards_sql() -> str:
@@ -184,8 +186,15 @@ def _sql_type(kind: pa.DataType) -> str:
     return _SQL_TYPES[str(kind)]
 
 
-_SQL_TYPES = {"int8": "TINYINT", "int32": "INTEGER", "int64": "BIGINT", "float": "FLOAT", "double": "DOUBLE",
-              "string": "VARCHAR", "bool": "BOOLEAN"}  # fmt: skip
+_SQL_TYPES = {
+    "int8": "TINYINT",
+    "int32": "INTEGER",
+    "int64": "BIGINT",
+    "float": "FLOAT",
+    "double": "DOUBLE",
+    "string": "VARCHAR",
+    "bool": "BOOLEAN",
+}
 
 
 def _literal(text: str) -> str:

@@ -29,8 +29,14 @@ _COPY_OPTIONS = {"csv": "FORMAT csv, HEADER true", "json": "FORMAT json, ARRAY t
 _RESULT_VIEW = "_arl_result"
 
 
-def emit(con: duckdb.DuckDBPyConnection, relation: duckdb.DuckDBPyRelation, *, fmt: str, output: Path | None,
-         limit: int | None) -> None:  # fmt: skip
+def emit(
+    con: duckdb.DuckDBPyConnection,
+    relation: duckdb.DuckDBPyRelation,
+    *,
+    fmt: str,
+    output: Path | None,
+    limit: int | None,
+) -> None:
     """Write `relation` (a query's result on `con`) in `fmt` to `output`, or to stdout when it is None."""
     # register, not create_view: a statement DuckDB has already run (SET, CREATE ...) returns rows held in
     # this process, which a view cannot store
@@ -38,8 +44,14 @@ def emit(con: duckdb.DuckDBPyConnection, relation: duckdb.DuckDBPyRelation, *, f
     if fmt == "table":
         shown = TABLE_ROWS if limit is None else limit
         rows = con.sql(f"SELECT * FROM {_RESULT_VIEW} LIMIT {shown + 1}").fetchall()
-        render_table(relation.columns, [str(t) for t in relation.types], rows[:shown], cut=len(rows) > shown,
-                     limit_given=limit is not None, output=output)  # fmt: skip
+        render_table(
+            relation.columns,
+            [str(t) for t in relation.types],
+            rows[:shown],
+            cut=len(rows) > shown,
+            limit_given=limit is not None,
+            output=output,
+        )
         return
     select = f"SELECT * FROM {_RESULT_VIEW}" + (f" LIMIT {limit}" if limit is not None else "")
     if output is not None:
@@ -69,8 +81,15 @@ def _copy(con: duckdb.DuckDBPyConnection, select: str, path: Path, fmt: str) -> 
     con.execute(f"COPY ({select}) TO {target} ({_COPY_OPTIONS[fmt]})")
 
 
-def render_table(columns: list[str], types: list[str], rows: list[tuple[Any, ...]], *, cut: bool,
-                 limit_given: bool, output: Path | None = None) -> None:  # fmt: skip
+def render_table(
+    columns: list[str],
+    types: list[str],
+    rows: list[tuple[Any, ...]],
+    *,
+    cut: bool,
+    limit_given: bool,
+    output: Path | None = None,
+) -> None:
     """A rich table (column name over its type), long cells shortened; a note when rows were left out."""
     from rich.table import Table
     from rich.text import Text
@@ -82,8 +101,9 @@ def render_table(columns: list[str], types: list[str], rows: list[tuple[Any, ...
         console = people_console(file=handle, pipe_width=160)
         table = Table(show_lines=False, header_style="bold")
         for name, kind in zip(columns, types, strict=True):
-            table.add_column(Text(f"{name}\n{kind.lower()}"), justify="right" if _numeric(kind) else "left",
-                             overflow="fold")  # fmt: skip
+            table.add_column(
+                Text(f"{name}\n{kind.lower()}"), justify="right" if _numeric(kind) else "left", overflow="fold"
+            )
         for row in rows:
             table.add_row(*[Text(_cell(value), style="dim" if value is None else "") for value in row])
         console.print(table)
@@ -98,8 +118,20 @@ def render_table(columns: list[str], types: list[str], rows: list[tuple[Any, ...
 
 
 def _numeric(kind: str) -> bool:
-    return kind.upper().split("(")[0] in {"TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT",
-                                          "USMALLINT", "UINTEGER", "UBIGINT", "FLOAT", "DOUBLE", "DECIMAL"}  # fmt: skip
+    return kind.upper().split("(")[0] in {
+        "TINYINT",
+        "SMALLINT",
+        "INTEGER",
+        "BIGINT",
+        "HUGEINT",
+        "UTINYINT",
+        "USMALLINT",
+        "UINTEGER",
+        "UBIGINT",
+        "FLOAT",
+        "DOUBLE",
+        "DECIMAL",
+    }
 
 
 def _cell(value: Any) -> str:

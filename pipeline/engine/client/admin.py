@@ -181,9 +181,13 @@ class AdminCalls(abc.ABC):
         position, the first logprob null (nothing precedes it). Nothing is generated (`max_new_tokens: 0`)
         and the `rid` marks it as the trainer's probe: arl's engines run it while generation is paused. `lora_path`:
         the LoRA adapter that scores it (None: the served weights alone)."""
-        body: dict[str, Any] = {"input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": 0,
-                "rid": f"{VERIFY_RID_PREFIX}{uuid.uuid4().hex}",
-                "sampling_params": {"max_new_tokens": 0, "temperature": 0.0}}  # fmt: skip
+        body: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "rid": f"{VERIFY_RID_PREFIX}{uuid.uuid4().hex}",
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+        }
         if lora_path is not None:
             body["lora_path"] = lora_path
         answer = await self._admin(url, "POST", "/generate", body)

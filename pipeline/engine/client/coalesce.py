@@ -97,8 +97,9 @@ class Coalescer:
                     _fail(live, exc)
                     return
                 # A 4xx names one completion's problem (or several): ask again one by one, so only those fail.
-                log.debug("batch of %d refused by %s (%s); sending its completions one by one", len(live), self.url,
-                          exc)  # fmt: skip
+                log.debug(
+                    "batch of %d refused by %s (%s); sending its completions one by one", len(live), self.url, exc
+                )
             except Exception as exc:  # a connection failure: every caller fails over on its own
                 _fail(live, exc)
                 return
@@ -139,8 +140,11 @@ def _deliver(live: list[tuple[dict[str, Any], asyncio.Future[dict[str, Any]]]], 
         if isinstance(answer, dict):
             future.set_result(answer)
         else:
-            future.set_exception(EngineError(f"{url}/generate answered {type(answer).__name__} in a batch, "
-                                             "expected an object", server=url))  # fmt: skip
+            future.set_exception(
+                EngineError(
+                    f"{url}/generate answered {type(answer).__name__} in a batch, expected an object", server=url
+                )
+            )
 
 
 def _fail(live: list[tuple[dict[str, Any], asyncio.Future[dict[str, Any]]]], exc: BaseException) -> None:

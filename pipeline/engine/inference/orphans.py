@@ -43,8 +43,11 @@ def _ended_attempts(paths: RunPaths, attempts: set[int]) -> dict[int, str]:
     """Of the inference attempts `attempts`, those `jobs.json` records and their job or process has ended."""
     records = [r for r in read_jobs(paths).get("inference", []) if r.attempt in attempts]
     states = record_states(records)
-    return {r.attempt: state.state for r in records if not (state := states[("inference", r.attempt)]).alive
-            and state.state not in ("UNKNOWN", "REMOTE")}  # fmt: skip
+    return {
+        r.attempt: state.state
+        for r in records
+        if not (state := states[("inference", r.attempt)]).alive and state.state not in ("UNKNOWN", "REMOTE")
+    }
 
 
 def _gone_here(entry: InferenceEntry) -> bool:

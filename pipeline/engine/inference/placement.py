@@ -45,8 +45,13 @@ def gpu_env(config: ArlConfig, index: int) -> dict[str, str]:
     if inf.num_servers <= 1 or not devices or (inf.device == "cpu" and inf.backend == "hf"):
         return {}
     if inf.num_servers * width > len(devices):
-        log.warning("%d server(s) x %d GPU(s) each do not fit the %d GPU(s) of this node (%s): they share them",
-                    inf.num_servers, width, len(devices), ",".join(devices))  # fmt: skip
+        log.warning(
+            "%d server(s) x %d GPU(s) each do not fit the %d GPU(s) of this node (%s): they share them",
+            inf.num_servers,
+            width,
+            len(devices),
+            ",".join(devices),
+        )
         return {}
     slot = index % inf.num_servers
     return {"CUDA_VISIBLE_DEVICES": ",".join(devices[slot * width : (slot + 1) * width])}

@@ -58,13 +58,32 @@ def server_procs(config: ArlConfig, *, host: str, port: int, model_path: str, ve
 
 def hf_command(config: ArlConfig, host: str, port: int, model_path: str, version: int) -> list[str]:
     inf = config.inference
-    argv = [sys.executable, "-m", "pipeline.engine.server.hf.process", "--model-path", model_path, "--host", host,
-            "--port", str(port), "--device", inf.device, "--dtype", config.model.dtype,
-            "--max-batch-size", str(inf.max_batch_size), "--max-context", str(config.model.max_context),
-            "--weight-version", str(version),
-            # A trainer that dies or stalls mid-broadcast ends the receive within its own broadcast deadline.
-            "--weight-group-timeout-s", str(config.trainer.broadcast_timeout_s),
-            "--prefix-cache-mb", str(inf.prefix_cache_mb)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pipeline.engine.server.hf.process",
+        "--model-path",
+        model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--device",
+        inf.device,
+        "--dtype",
+        config.model.dtype,
+        "--max-batch-size",
+        str(inf.max_batch_size),
+        "--max-context",
+        str(config.model.max_context),
+        "--weight-version",
+        str(version),
+        # A trainer that dies or stalls mid-broadcast ends the receive within its own broadcast deadline.
+        "--weight-group-timeout-s",
+        str(config.trainer.broadcast_timeout_s),
+        "--prefix-cache-mb",
+        str(inf.prefix_cache_mb),
+    ]
     if config.model.tokenizer:
         argv += ["--tokenizer-path", config.model.tokenizer]
     return argv + list(inf.extra_args)
@@ -79,12 +98,31 @@ def sglang_command(config: ArlConfig, host: str, port: int, model_path: str, ver
     """A real SGLang server; flags are SGLang's `ServerArgs`. `--weight-version` makes
     `meta_info.weight_version` arl's version from the first request on (without it SGLang says "default")."""
     inf = config.inference
-    return [inf.python or sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-            "--tokenizer-path", config.model.tokenizer or model_path, "--host", host, "--port", str(port),
-            "--tp-size", str(inf.tp_size), "--mem-fraction-static", str(inf.mem_fraction),
-            "--dtype", sglang_dtype(config.model.dtype), "--weight-version", str(version),
-            "--context-length", str(config.model.max_context), *lora_flags(config, "sglang"),
-            *inf.extra_args]  # fmt: skip
+    return [
+        inf.python or sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        "--tokenizer-path",
+        config.model.tokenizer or model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(inf.tp_size),
+        "--mem-fraction-static",
+        str(inf.mem_fraction),
+        "--dtype",
+        sglang_dtype(config.model.dtype),
+        "--weight-version",
+        str(version),
+        "--context-length",
+        str(config.model.max_context),
+        *lora_flags(config, "sglang"),
+        *inf.extra_args,
+    ]
 
 
 def sglang_dtype(dtype: str) -> str:
@@ -103,11 +141,29 @@ def vllm_procs(config: ArlConfig, *, host: str, port: int, model_path: str, vers
         log_suffix="vllm",
         health_url=upstream,
     )
-    adapter_argv = [sys.executable, "-m", "pipeline.engine.server.vllm.adapter", "--upstream", upstream,
-                    "--host", host, "--port", str(port), "--model-path", model_path, "--tokenizer-path", tokenizer,
-                    "--served-model-name", config.model.served_name, "--weight-version", str(version),
-                    "--max-context", str(config.model.max_context),
-                    "--tp-size", str(config.inference.tp_size)]  # fmt: skip
+    adapter_argv = [
+        sys.executable,
+        "-m",
+        "pipeline.engine.server.vllm.adapter",
+        "--upstream",
+        upstream,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--model-path",
+        model_path,
+        "--tokenizer-path",
+        tokenizer,
+        "--served-model-name",
+        config.model.served_name,
+        "--weight-version",
+        str(version),
+        "--max-context",
+        str(config.model.max_context),
+        "--tp-size",
+        str(config.inference.tp_size),
+    ]
     return [server, ProcSpec(adapter_argv, env=_pythonpath())]
 
 
@@ -121,13 +177,38 @@ def vllm_command(config: ArlConfig, *, model_path: str, tokenizer: str, port: in
     * `--worker-extension-cls` (with `VLLM_SERVER_DEV_MODE=1`): weight updates through `/collective_rpc`.
     """
     inf = config.inference
-    return [inf.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-            "--tokenizer", tokenizer, "--served-model-name", config.model.served_name, "--host", "127.0.0.1",
-            "--port", str(port), "--tensor-parallel-size", str(inf.tp_size),
-            "--gpu-memory-utilization", str(inf.mem_fraction), "--dtype", config.model.dtype,
-            "--max-model-len", str(config.model.max_context), "--max-num-seqs", str(inf.max_batch_size),
-            "--return-tokens-as-token-ids", "--logprobs-mode", "processed_logprobs",
-            "--worker-extension-cls", WORKER_EXTENSION, *lora_flags(config, "vllm"), *inf.extra_args]  # fmt: skip
+    return [
+        inf.python or sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_path,
+        "--tokenizer",
+        tokenizer,
+        "--served-model-name",
+        config.model.served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(inf.tp_size),
+        "--gpu-memory-utilization",
+        str(inf.mem_fraction),
+        "--dtype",
+        config.model.dtype,
+        "--max-model-len",
+        str(config.model.max_context),
+        "--max-num-seqs",
+        str(inf.max_batch_size),
+        "--return-tokens-as-token-ids",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
+        *lora_flags(config, "vllm"),
+        *inf.extra_args,
+    ]
 
 
 def published_adapter(config: ArlConfig) -> LoraConfig | None:
@@ -151,8 +232,17 @@ def lora_flags(config: ArlConfig, backend: str) -> list[str]:
         return ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(lora.rank)), "--max-loras", str(LORA_ADAPTERS)]
     targets = ["all"] if lora.target_modules == "all-linear" else list(lora.target_modules)
     slots = str(LORA_ADAPTERS + 1)
-    return ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *targets,
-            "--max-loras-per-batch", slots, "--max-loaded-loras", slots]  # fmt: skip
+    return [
+        "--enable-lora",
+        "--max-lora-rank",
+        str(lora.rank),
+        "--lora-target-modules",
+        *targets,
+        "--max-loras-per-batch",
+        slots,
+        "--max-loaded-loras",
+        slots,
+    ]
 
 
 def vllm_lora_rank(rank: int) -> int:

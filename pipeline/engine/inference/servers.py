@@ -104,8 +104,13 @@ def run_inference(ctx: StageContext, *, stop: threading.Event | None = None) -> 
             path, weights = initial_weights(paths, config)
             return start_server(paths, config, old.index, old.port, path, weights, attempt)
 
-        supervisor = Supervisor(paths, servers, restart, max_restarts=config.inference.max_restarts,
-                                startup_timeout_s=config.inference.startup_timeout_s)  # fmt: skip
+        supervisor = Supervisor(
+            paths,
+            servers,
+            restart,
+            max_restarts=config.inference.max_restarts,
+            startup_timeout_s=config.inference.startup_timeout_s,
+        )
         code = supervisor.run(stop)
         servers = supervisor.live
         return code
@@ -178,8 +183,9 @@ def start_server(
     log.info(
         "started %s server %d on port %d (pids %s, log %s)", inf.backend, index, port, [p.pid for p in procs], log_path
     )
-    return RunningServer(f"{socket.gethostname()}-{port}", url, log_path, procs, entry, index, port, logs=handles,
-                         adapter=adapter)  # fmt: skip
+    return RunningServer(
+        f"{socket.gethostname()}-{port}", url, log_path, procs, entry, index, port, logs=handles, adapter=adapter
+    )
 
 
 def _spawn(spec: ProcSpec, log_file: IO[bytes]) -> subprocess.Popen[bytes]:
@@ -187,8 +193,14 @@ def _spawn(spec: ProcSpec, log_file: IO[bytes]) -> subprocess.Popen[bytes]:
     # start_new_session: a Ctrl-C in the terminal reaches only the supervisor, which stops children in order.
     # PDEATHSIG: if the supervisor itself is SIGKILLed (OOM killer, `arl stop` escalating, Slurm) the servers
     # must not live on holding their ports, GPU memory and stale registry entries.
-    return subprocess.Popen(spec.argv, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                            preexec_fn=_die_with_parent)  # fmt: skip
+    return subprocess.Popen(
+        spec.argv,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
 
 
 def _die_with_parent() -> None:

@@ -74,8 +74,15 @@ Restart = Callable[[RunningServer], RunningServer]
 
 
 class Supervisor:
-    def __init__(self, paths: RunPaths, servers: list[RunningServer], restart: Restart, *, max_restarts: int,
-                 startup_timeout_s: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        paths: RunPaths,
+        servers: list[RunningServer],
+        restart: Restart,
+        *,
+        max_restarts: int,
+        startup_timeout_s: float,
+    ) -> None:
         self.paths = paths
         self.live = list(servers)
         self.restart = restart
@@ -97,16 +104,27 @@ class Supervisor:
         request = self._take_out_request(server)
         code = server.exited()
         if request is not None:
-            log.error("the trainer took inference server %s (%s) out at version %s: %s", server.name, server.url,
-                      request.get("version"), request.get("reason"))  # fmt: skip
+            log.error(
+                "the trainer took inference server %s (%s) out at version %s: %s",
+                server.name,
+                server.url,
+                request.get("version"),
+                request.get("reason"),
+            )
             deregister(self.paths, server)
             kill(server)
             self._recover(server, "taken out by the trainer")
             with contextlib.suppress(FileNotFoundError):
                 self.paths.quarantine_entry(server.name).unlink()
         elif code is not None:
-            log.error("inference server %s (%s) exited with code %s; deregistered. Its log: %s\n%s", server.name,
-                      server.url, code, server.log_path, tail(server.log_path))  # fmt: skip
+            log.error(
+                "inference server %s (%s) exited with code %s; deregistered. Its log: %s\n%s",
+                server.name,
+                server.url,
+                code,
+                server.log_path,
+                tail(server.log_path),
+            )
             deregister(self.paths, server)
             self._recover(server, f"exited with code {code}")
         elif server.starting_since is not None:
@@ -130,15 +148,25 @@ class Supervisor:
         self.live.remove(server)
         close_logs(server)
         if server.restarts >= self.max_restarts:
-            log.error("inference server %s %s and was restarted %d time(s) already (inference.max_restarts); it "
-                      "stays down", server.name, why, server.restarts)  # fmt: skip
+            log.error(
+                "inference server %s %s and was restarted %d time(s) already (inference.max_restarts); it stays down",
+                server.name,
+                why,
+                server.restarts,
+            )
             return
         fresh = self.restart(server)
         fresh.restarts = server.restarts + 1
         fresh.starting_since = time.monotonic()
-        log.warning("restarting inference server %s (%s; restart %d of %d) from %s, weight version %d",
-                    server.name, why, fresh.restarts, self.max_restarts, fresh.entry.model_path,
-                    fresh.entry.weight_version)  # fmt: skip
+        log.warning(
+            "restarting inference server %s (%s; restart %d of %d) from %s, weight version %d",
+            server.name,
+            why,
+            fresh.restarts,
+            self.max_restarts,
+            fresh.entry.model_path,
+            fresh.entry.weight_version,
+        )
         self.live.append(fresh)
 
     def _starting(self, http: httpx.Client, server: RunningServer) -> None:
@@ -151,11 +179,19 @@ class Supervisor:
             server.entry = server.entry.model_copy(update={"routable": routable, "started_at": time.time()})
             register(self.paths, server)
             behind = f" (announced: {announced}): unroutable until the trainer updates it"
-            log.info("inference server %s is back at weight version %d%s", server.name, server.entry.weight_version,
-                     "" if routable else behind)  # fmt: skip
+            log.info(
+                "inference server %s is back at weight version %d%s",
+                server.name,
+                server.entry.weight_version,
+                "" if routable else behind,
+            )
         elif time.monotonic() - server.starting_since > self.startup_timeout_s:
-            log.error("restarted inference server %s did not answer /health within %.0fs (log %s)", server.name,
-                      self.startup_timeout_s, server.log_path)  # fmt: skip
+            log.error(
+                "restarted inference server %s did not answer /health within %.0fs (log %s)",
+                server.name,
+                self.startup_timeout_s,
+                server.log_path,
+            )
             kill(server)
             self._recover(server, "did not come back")
 
@@ -170,8 +206,12 @@ class Supervisor:
             return
         server.strikes += 1
         if server.strikes == HEALTH_STRIKES and server.registered:
-            log.error("inference server %s failed %d health checks; deregistered (log: %s)", server.name,
-                      HEALTH_STRIKES, server.log_path)  # fmt: skip
+            log.error(
+                "inference server %s failed %d health checks; deregistered (log: %s)",
+                server.name,
+                HEALTH_STRIKES,
+                server.log_path,
+            )
             deregister(self.paths, server)
 
     def _promote(self, http: httpx.Client, server: RunningServer) -> None:
@@ -201,11 +241,14 @@ def load_adapter(http: httpx.Client, server: RunningServer, timeout_s: float = 6
     if server.adapter is None:
         return
     name, path = server.adapter
-    answer = http.post(f"{server.url}/load_lora_adapter", json={"lora_name": name, "lora_path": path},
-                       timeout=timeout_s)  # fmt: skip
+    answer = http.post(
+        f"{server.url}/load_lora_adapter", json={"lora_name": name, "lora_path": path}, timeout=timeout_s
+    )
     if answer.status_code != 200:
-        raise ArlError(f"inference server {server.name} ({server.url}) refused LoRA adapter {name} from {path}: "
-                       f"{answer.status_code} {answer.text[:500]}")  # fmt: skip
+        raise ArlError(
+            f"inference server {server.name} ({server.url}) refused LoRA adapter {name} from {path}: "
+            f"{answer.status_code} {answer.text[:500]}"
+        )
     server.adapter = None
 
 

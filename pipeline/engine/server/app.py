@@ -74,10 +74,22 @@ _ADMIN: dict[int | str, dict[str, Any]] = {
     200: {"model": AdminAnswer, "description": "Done"},
 }
 _EMPTY_OK: dict[int | str, dict[str, Any]] = {200: {"description": "Done (empty body)"}}
-_BODIES = (GenerateReqInput, SamplingParams, AbortReq, PauseGenerationReqInput, UpdateWeightFromDiskReqInput,
-           InitWeightsUpdateGroupReqInput, BeginWeightUpdateReqInput, UpdateWeightsFromDistributedReqInput,
-           EndWeightUpdateReqInput, DestroyWeightsUpdateGroupReqInput, GetWeightsByNameReqInput,
-           LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput, UpdateWeightVersionReqInput)  # fmt: skip
+_BODIES = (
+    GenerateReqInput,
+    SamplingParams,
+    AbortReq,
+    PauseGenerationReqInput,
+    UpdateWeightFromDiskReqInput,
+    InitWeightsUpdateGroupReqInput,
+    BeginWeightUpdateReqInput,
+    UpdateWeightsFromDistributedReqInput,
+    EndWeightUpdateReqInput,
+    DestroyWeightsUpdateGroupReqInput,
+    GetWeightsByNameReqInput,
+    LoadLoRAAdapterReqInput,
+    UnloadLoRAAdapterReqInput,
+    UpdateWeightVersionReqInput,
+)
 
 
 def build_app(backend: EngineBackend, *, title: str) -> FastAPI:
@@ -172,12 +184,19 @@ def _generation_routes(app: FastAPI, backend: EngineBackend) -> None:
         return await health(True)
 
     events_doc = sse_stream({"$ref": "#/components/schemas/GenerateResponse"}, done_marker=True)
-    generated = {"model": GenerateResponse | list[GenerateResponse], "content": events_doc,
-                 "description": "The completion (a list for a batch or n > 1), or with stream=true its "
-                 "Server-Sent Events, then `data: [DONE]`"}  # fmt: skip
+    generated = {
+        "model": GenerateResponse | list[GenerateResponse],
+        "content": events_doc,
+        "description": "The completion (a list for a batch or n > 1), or with stream=true its "
+        "Server-Sent Events, then `data: [DONE]`",
+    }
 
-    @app.post(_GENERATE, response_model=None, openapi_extra=json_body(GenerateReqInput),
-              responses={200: generated, **errors(EngineError, 400, "5XX")})  # fmt: skip
+    @app.post(
+        _GENERATE,
+        response_model=None,
+        openapi_extra=json_body(GenerateReqInput),
+        responses={200: generated, **errors(EngineError, 400, "5XX")},
+    )
     async def generate(request: Request) -> Response:
         return await generate_answer(request, backend)
 
@@ -189,8 +208,10 @@ async def generate_answer(request: Request, backend: EngineBackend) -> Response:
     items = expand(body, backend.limits, backend.tokenizer)
     unknown = sorted({i.lora for i in items if i.lora is not None} - set(backend.loaded_adapters()))
     if unknown:
-        raise RequestError(f"lora_path names adapters that are not loaded: {unknown}; loaded: "
-                           f"{sorted(backend.loaded_adapters())} (load one with /load_lora_adapter)")  # fmt: skip
+        raise RequestError(
+            f"lora_path names adapters that are not loaded: {unknown}; loaded: "
+            f"{sorted(backend.loaded_adapters())} (load one with /load_lora_adapter)"
+        )
     if not backend.serves_input_logprobs and any(i.logprob_start_len >= 0 for i in items):
         raise RequestError("logprob_start_len >= 0 (prompt logprobs) is not supported by this engine")
     text = body.return_text_in_logprobs
@@ -216,28 +237,40 @@ def _info_routes(app: FastAPI, backend: EngineBackend) -> None:
         app.get(path, response_model=None, responses={200: {"model": ServerInfo}, **_FAILED})(server_info)
     # SGLang's answer is plain text (what was flushed, or why not); GET and POST are separate operations.
     flushed = {"content": {"text/plain": {"schema": {"type": "string"}}}}
-    flush_doc: dict[int | str, Any] = {200: {**flushed, "description": "Flushed"},
-                                       400: {**flushed, "description": "Not flushed (requests run)"}}  # fmt: skip
+    flush_doc: dict[int | str, Any] = {
+        200: {**flushed, "description": "Flushed"},
+        400: {**flushed, "description": "Not flushed (requests run)"},
+    }
 
     async def flush_cache() -> Response:
         check = await backend.flush_cache()
         return PlainTextResponse(check.message, status_code=200 if check.ok else 400)
 
-    app.get("/flush_cache", response_model=None, responses={**flush_doc, **_FAILED},
-            operation_id="flush_cache_get")(flush_cache)  # fmt: skip
-    app.post("/flush_cache", response_model=None, responses={**flush_doc, **_FAILED},
-             operation_id="flush_cache_post")(flush_cache)  # fmt: skip
+    app.get("/flush_cache", response_model=None, responses={**flush_doc, **_FAILED}, operation_id="flush_cache_get")(
+        flush_cache
+    )
+    app.post("/flush_cache", response_model=None, responses={**flush_doc, **_FAILED}, operation_id="flush_cache_post")(
+        flush_cache
+    )
 
 
 def _admin(body: type[BaseModel] | None = None, *, optional: bool = False) -> dict[str, Any]:
     """FastAPI route arguments of an admin route: its body (read by `parse_body`), `AdminAnswer` or an error."""
-    return {"response_model": None, "responses": _ADMIN,
-            "openapi_extra": json_body(body, required=not optional) if body else None}  # fmt: skip
+    return {
+        "response_model": None,
+        "responses": _ADMIN,
+        "openapi_extra": json_body(body, required=not optional) if body else None,
+    }
 
 
 def _control_routes(app: FastAPI, backend: EngineBackend) -> None:
-    @app.post("/abort_request", response_model=None, response_class=Response, openapi_extra=json_body(AbortReq),
-              responses={**_EMPTY_OK, **errors(AdminAnswer, 400), **_FAILED})  # fmt: skip
+    @app.post(
+        "/abort_request",
+        response_model=None,
+        response_class=Response,
+        openapi_extra=json_body(AbortReq),
+        responses={**_EMPTY_OK, **errors(AdminAnswer, 400), **_FAILED},
+    )
     async def abort_request(request: Request) -> Response:
         body = await parse_body(request, AbortReq)
         if not body.abort_all and not body.rid:
@@ -309,9 +342,13 @@ def _weight_routes(app: FastAPI, backend: EngineBackend) -> None:
     rows = {"model": WeightRows, "description": "The parameter's first rows"}
     for method in ("get", "post"):  # one operation each (a shared one would repeat its operationId)
         route = app.get if method == "get" else app.post
-        route("/get_weights_by_name", response_model=None, openapi_extra=json_body(GetWeightsByNameReqInput),
-              operation_id=f"get_weights_by_name_{method}",
-              responses={200: rows, **errors(AdminAnswer, 400), **_FAILED})(get_weights_by_name)  # fmt: skip
+        route(
+            "/get_weights_by_name",
+            response_model=None,
+            openapi_extra=json_body(GetWeightsByNameReqInput),
+            operation_id=f"get_weights_by_name_{method}",
+            responses={200: rows, **errors(AdminAnswer, 400), **_FAILED},
+        )(get_weights_by_name)
 
 
 def _lora_routes(app: FastAPI, backend: EngineBackend) -> None:
@@ -330,13 +367,18 @@ def _lora_routes(app: FastAPI, backend: EngineBackend) -> None:
             return JSONResponse(body, status_code=400)
         return JSONResponse({"success": True, "error_message": None, "loaded_adapters": loaded})
 
-    @app.post("/load_lora_adapter", response_model=None, responses=answers,
-              openapi_extra=json_body(LoadLoRAAdapterReqInput))  # fmt: skip
+    @app.post(
+        "/load_lora_adapter", response_model=None, responses=answers, openapi_extra=json_body(LoadLoRAAdapterReqInput)
+    )
     async def load_lora_adapter(request: Request) -> JSONResponse:
         return await lora_call(request, LoadLoRAAdapterReqInput, backend.load_lora_adapter)
 
-    @app.post("/unload_lora_adapter", response_model=None, responses=answers,
-              openapi_extra=json_body(UnloadLoRAAdapterReqInput))  # fmt: skip
+    @app.post(
+        "/unload_lora_adapter",
+        response_model=None,
+        responses=answers,
+        openapi_extra=json_body(UnloadLoRAAdapterReqInput),
+    )
     async def unload_lora_adapter(request: Request) -> JSONResponse:
         return await lora_call(request, UnloadLoRAAdapterReqInput, backend.unload_lora_adapter)
 

@@ -61,8 +61,9 @@ def pack_inputs(micro: MicroBatch, device: torch.device, multiple: int = 1) -> P
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
     longest = max(lengths)
-    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                             max_seqlen_kv=longest)  # fmt: skip
+    packed = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
     return PackedInputs(ids.to(device), pos.to(device), packed, total)
 
 
@@ -70,8 +71,12 @@ def run_stage(model: Any, inputs: PackedInputs, input_tensor: torch.Tensor | Non
     """One pipeline stage's forward: hidden states [T', 1, h] out of a middle stage, local logits [T, V/tp] out of
     the last. `input_tensor` is the previous stage's output (None on the first stage)."""
     model.set_input_tensor(input_tensor)
-    out = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=None,
-                packed_seq_params=inputs.packed)  # fmt: skip
+    out = model(
+        input_ids=inputs.input_ids,
+        position_ids=inputs.position_ids,
+        attention_mask=None,
+        packed_seq_params=inputs.packed,
+    )
     if model.post_process:
         return out[0, : inputs.num_tokens]  # GPTModel returns logits batch-first: [1, T_padded, V/tp]
     return out

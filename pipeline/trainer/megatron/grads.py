@@ -56,9 +56,10 @@ def clip_global_norm(params: list[torch.nn.Parameter], max_norm: float, mp_group
 
     grads = [p.grad for p in params if p.grad is not None]
     counted = [
-        p.grad for p in params
+        p.grad
+        for p in params
         if p.grad is not None and param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False)
-    ]  # fmt: skip
+    ]
     total = torch.zeros((), dtype=torch.float64)
     for g in counted:
         total += g.detach().double().pow(2).sum()

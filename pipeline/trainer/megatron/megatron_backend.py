@@ -59,8 +59,9 @@ class MegatronBackend:
         self.layout: Literal["packed", "padded"] = "packed"  # its attention reads per-sample boundaries
         cuda = self.device.type == "cuda"
         if mc.sequence_parallel and not cuda:
-            raise ValueError("trainer.megatron.sequence_parallel needs CUDA (gloo has no reduce-scatter); "
-                             "set it to false on CPU")  # fmt: skip
+            raise ValueError(
+                "trainer.megatron.sequence_parallel needs CUDA (gloo has no reduce-scatter); set it to false on CPU"
+            )
         dtype = torch.bfloat16 if cuda and config.trainer.bf16 else torch.float32
         self.settings = RunSettings(mc.tp, mc.pp, mc.sequence_parallel and mc.tp > 1, dtype, cuda)
         self.save_dtype = getattr(torch, config.model.dtype)
@@ -78,10 +79,12 @@ class MegatronBackend:
         self.num_params = self.dims.num_params()
         groups = parallel.groups()
         self.mp_group, self.dp_group, self.embd_group = groups["mp"], groups["dp"], groups["embedding"]
-        self.vocab = VocabShard.of(self.dims.vocab_size, self.dims.padded_vocab(self.topo.tp), self.topo.tp_rank,
-                                   self.topo.tp, groups["tp"])  # fmt: skip
-        self.shape = StageShape(self.dims.hidden_size, self.settings.dtype,
-                                self.topo.tp if self.settings.sequence_parallel else 1)  # fmt: skip
+        self.vocab = VocabShard.of(
+            self.dims.vocab_size, self.dims.padded_vocab(self.topo.tp), self.topo.tp_rank, self.topo.tp, groups["tp"]
+        )
+        self.shape = StageShape(
+            self.dims.hidden_size, self.settings.dtype, self.topo.tp if self.settings.sequence_parallel else 1
+        )
         self.reporter = self._mp_global_rank(self.topo.pp - 1, 0)
         self.model = self._load_model(Path(weights), trainable=True)
         self._make_optimizer()
@@ -91,8 +94,9 @@ class MegatronBackend:
             self.reference = self._load_model(Path(self.config.model.path), trainable=False)
 
     def _load_model(self, path: Path, trainable: bool) -> Any:
-        model = build_model(self.dims, self.tconfig, pre_process=self.topo.is_first_stage,
-                            post_process=self.topo.is_last_stage)  # fmt: skip
+        model = build_model(
+            self.dims, self.tconfig, pre_process=self.topo.is_first_stage, post_process=self.topo.is_last_stage
+        )
         model.to(self.device)
         load_hf_into(model, path, self.dims, self.topo)
         model.train(trainable)
@@ -105,19 +109,29 @@ class MegatronBackend:
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                       use_distributed_optimizer=False)  # fmt: skip
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            )
             self.ddp = DistributedDataParallel(self.tconfig, ddp_config, self.model)
             self.optimizer = get_megatron_optimizer(
-                OptimizerConfig(optimizer="adam", lr=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.betas[0],
-                                adam_beta2=opt.betas[1], adam_eps=opt.eps, clip_grad=opt.grad_clip,
-                                bf16=self.settings.dtype == torch.bfloat16, params_dtype=self.settings.dtype),
+                OptimizerConfig(
+                    optimizer="adam",
+                    lr=opt.lr,
+                    weight_decay=opt.weight_decay,
+                    adam_beta1=opt.betas[0],
+                    adam_beta2=opt.betas[1],
+                    adam_eps=opt.eps,
+                    clip_grad=opt.grad_clip,
+                    bf16=self.settings.dtype == torch.bfloat16,
+                    params_dtype=self.settings.dtype,
+                ),
                 [self.ddp],
-            )  # fmt: skip
+            )
             inner = _torch_optimizer(self.optimizer)
         else:
-            inner = self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=opt.betas,
-                                                       eps=opt.eps, weight_decay=opt.weight_decay)  # fmt: skip
+            inner = self.optimizer = torch.optim.AdamW(
+                self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+            )
         self.scheduler = make_scheduler(inner, opt, self.total_updates)
 
     def _mp_global_rank(self, pp_rank: int, tp_rank: int) -> int:
@@ -214,8 +228,9 @@ class MegatronBackend:
         from pipeline.trainer.megatron.grads import clip_global_norm, sync_cpu_grads
 
         sync_cpu_grads(self.model, self.dp_group, self.embd_group, self.topo)
-        grad_norm = clip_global_norm(list(self.model.parameters()), self.config.trainer.optimizer.grad_clip,
-                                     self.mp_group)  # fmt: skip
+        grad_norm = clip_global_norm(
+            list(self.model.parameters()), self.config.trainer.optimizer.grad_clip, self.mp_group
+        )
         self.optimizer.step()
         return grad_norm
 
@@ -251,18 +266,28 @@ class MegatronBackend:
 
     def _layout(self) -> dict[str, Any]:
         t = self.topo
-        return {"backend": "megatron", "tp": t.tp, "pp": t.pp, "dp": t.dp, "device": self.device.type,
-                "dtype": str(self.settings.dtype)}  # fmt: skip
+        return {
+            "backend": "megatron",
+            "tp": t.tp,
+            "pp": t.pp,
+            "dp": t.dp,
+            "device": self.device.type,
+            "dtype": str(self.settings.dtype),
+        }
 
     def _load_state(self, state: Path) -> None:
         layout_file = state / LAYOUT_FILE
         if not layout_file.exists():
-            raise RuntimeError(f"{state} holds no megatron optimizer state (written by another backend?); resume "
-                               "with the backend that wrote it, or start a new run")  # fmt: skip
+            raise RuntimeError(
+                f"{state} holds no megatron optimizer state (written by another backend?); resume "
+                "with the backend that wrote it, or start a new run"
+            )
         saved = json.loads(layout_file.read_text())
         if saved != self._layout():
-            raise RuntimeError(f"{state} was written with megatron layout {saved}, this run has {self._layout()}; "
-                               "resume with the same trainer.megatron.tp/pp, world size and device")  # fmt: skip
+            raise RuntimeError(
+                f"{state} was written with megatron layout {saved}, this run has {self._layout()}; "
+                "resume with the same trainer.megatron.tp/pp, world size and device"
+            )
         shard = state / f"optimizer_rank{self.rank:05d}.pt"
         self.optimizer.load_state_dict(torch.load(shard, map_location="cpu", weights_only=False))
         self.scheduler.load_state_dict(torch.load(state / SCHEDULER_FILE, map_location="cpu", weights_only=False))

@@ -63,8 +63,10 @@ class ModelDims:
     def from_hf_dict(cls, cfg: dict[str, Any], where: str = "config") -> ModelDims:
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"{where}: model_type {model_type!r} is not supported by the megatron backend "
-                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use trainer.backend=torch")  # fmt: skip
+            raise ValueError(
+                f"{where}: model_type {model_type!r} is not supported by the megatron backend "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use trainer.backend=torch"
+            )
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"{where}: hidden_act {act!r} is not supported (SwiGLU with silu only)")
@@ -74,14 +76,21 @@ class ModelDims:
         hidden = int(cfg["hidden_size"])
         theta, factor = _rope(cfg, where)
         return cls(
-            model_type=model_type, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
-            ffn_hidden_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta, rope_scaling_factor=factor, qkv_bias=model_type == "qwen2",
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            ffn_hidden_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling_factor=factor,
+            qkv_bias=model_type == "qwen2",
             tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        )  # fmt: skip
+        )
 
     def padded_vocab(self, tp: int) -> int:
         """Vocab rounded up to a multiple of tp (megatron splits the vocab evenly across TP ranks)."""
@@ -133,27 +142,47 @@ def transformer_config(dims: ModelDims, run: RunSettings) -> Any:
     if dims.num_layers % run.pp:
         raise ValueError(f"num_hidden_layers={dims.num_layers} is not divisible by trainer.megatron.pp={run.pp}")
     if dims.num_kv_heads % run.tp or dims.num_heads % run.tp:
-        raise ValueError(f"trainer.megatron.tp={run.tp} must divide num_attention_heads={dims.num_heads} and "
-                         f"num_key_value_heads={dims.num_kv_heads}")  # fmt: skip
+        raise ValueError(
+            f"trainer.megatron.tp={run.tp} must divide num_attention_heads={dims.num_heads} and "
+            f"num_key_value_heads={dims.num_kv_heads}"
+        )
     if dims.ffn_hidden_size % run.tp:
         raise ValueError(f"trainer.megatron.tp={run.tp} must divide intermediate_size={dims.ffn_hidden_size}")
     bf16 = run.dtype == torch.bfloat16
     return TransformerConfig(
-        num_layers=dims.num_layers, hidden_size=dims.hidden_size, ffn_hidden_size=dims.ffn_hidden_size,
-        num_attention_heads=dims.num_heads, num_query_groups=dims.num_kv_heads, kv_channels=dims.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=dims.norm_eps, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=dims.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp,
-        sequence_parallel=run.sequence_parallel, params_dtype=run.dtype, bf16=bf16,
+        num_layers=dims.num_layers,
+        hidden_size=dims.hidden_size,
+        ffn_hidden_size=dims.ffn_hidden_size,
+        num_attention_heads=dims.num_heads,
+        num_query_groups=dims.num_kv_heads,
+        kv_channels=dims.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=dims.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=dims.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=run.tp,
+        pipeline_model_parallel_size=run.pp,
+        sequence_parallel=run.sequence_parallel,
+        params_dtype=run.dtype,
+        bf16=bf16,
         pipeline_dtype=run.dtype if run.pp > 1 else None,
         calculate_per_token_loss=True,  # our losses are already globally weighted: DDP must SUM, not average
         # perform_initialization must stay on even though every weight is overwritten by the HF checkpoint:
         # megatron marks tensor-parallel weights (`tensor_model_parallel`, used by grad-norm and optimizer
         # code to count TP-split vs replicated parameters) only inside its init functions.
-        use_cpu_initialization=not run.cuda, perform_initialization=True,
-    )  # fmt: skip
+        use_cpu_initialization=not run.cuda,
+        perform_initialization=True,
+    )
 
 
 def layer_spec() -> Any:
@@ -175,11 +204,17 @@ def build_model(dims: ModelDims, config: Any, *, pre_process: bool, post_process
     from megatron.core.models.gpt import GPTModel
 
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(),
+        config=config,
+        transformer_layer_spec=layer_spec(),
         vocab_size=dims.padded_vocab(config.tensor_model_parallel_size),
-        max_sequence_length=dims.max_position_embeddings, pre_process=pre_process, post_process=post_process,
-        parallel_output=True, share_embeddings_and_output_weights=dims.tied_embeddings,
-        position_embedding_type="rope", rotary_base=dims.rope_theta,  # type: ignore[arg-type]
-        rope_scaling=dims.rope_scaling_factor is not None, rope_scaling_factor=dims.rope_scaling_factor or 8.0,
-    )  # fmt: skip
+        max_sequence_length=dims.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=dims.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_base=dims.rope_theta,  # type: ignore[arg-type]
+        rope_scaling=dims.rope_scaling_factor is not None,
+        rope_scaling_factor=dims.rope_scaling_factor or 8.0,
+    )
     return model

@@ -79,12 +79,16 @@ def init(tp: int, pp: int, device_pref: str, seed: int) -> Topology:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return Topology(
-        rank=dist.get_rank(), world_size=world,
-        tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp=tp,
-        pp_rank=parallel_state.get_pipeline_model_parallel_rank(), pp=pp,
-        dp_rank=parallel_state.get_data_parallel_rank(), dp=parallel_state.get_data_parallel_world_size(),
+        rank=dist.get_rank(),
+        world_size=world,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp=tp,
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp=pp,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp=parallel_state.get_data_parallel_world_size(),
         device=device,
-    )  # fmt: skip
+    )
 
 
 def groups() -> dict[str, Any]:

@@ -77,10 +77,13 @@ class SDPAAttention(MegatronModule):
                 raise ValueError(f"packed sequences must use qkv_format='thd', got {packed_seq_params.qkv_format!r}")
             bounds = packed_seq_params.cu_seqlens_q.tolist()
             out = torch.cat(
-                [self._causal(query[a:b], key[a:b], value[a:b], dropout) for a, b in itertools.pairwise(bounds)
-                 if b > a],
+                [
+                    self._causal(query[a:b], key[a:b], value[a:b], dropout)
+                    for a, b in itertools.pairwise(bounds)
+                    if b > a
+                ],
                 dim=0,
-            )  # fmt: skip
+            )
             return out.reshape(out.shape[0], -1)
         # Unpacked [s, b, h, d]: one causal call over the batch (every row starts at position 0).
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
@@ -93,7 +96,12 @@ class SDPAAttention(MegatronModule):
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
         """One sample: [l, heads, dim] -> [l, heads, dim], causal within the sample."""
         out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            dropout_p=dropout, is_causal=True, scale=self.scale, enable_gqa=q.shape[1] != k.shape[1],
-        )  # fmt: skip
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            dropout_p=dropout,
+            is_causal=True,
+            scale=self.scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
         return out[0].transpose(0, 1)

@@ -34,8 +34,10 @@ def hf_reader(model_dir: Path) -> Callable[[str], torch.Tensor]:
         with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
             weight_map = dict.fromkeys(f.keys(), "model.safetensors")
     else:
-        raise FileNotFoundError(f"{model_dir} has no model.safetensors(.index.json): the megatron backend reads "
-                                "safetensors checkpoints only (re-save the model with save_pretrained)")  # fmt: skip
+        raise FileNotFoundError(
+            f"{model_dir} has no model.safetensors(.index.json): the megatron backend reads "
+            "safetensors checkpoints only (re-save the model with save_pretrained)"
+        )
 
     def get(name: str) -> torch.Tensor:
         if name not in weight_map and name == "lm_head.weight":
@@ -58,8 +60,9 @@ def load_hf_into(model: torch.nn.Module, model_dir: Path, dims: ModelDims, topo:
     params = dict(model.named_parameters())
     missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
     if missing or unexpected:
-        raise RuntimeError(f"HF -> megatron conversion does not match the model: missing {missing}, "
-                           f"unexpected {unexpected}")  # fmt: skip
+        raise RuntimeError(
+            f"HF -> megatron conversion does not match the model: missing {missing}, unexpected {unexpected}"
+        )
     with torch.no_grad():
         for name, param in params.items():
             src = tensors[name]

@@ -43,8 +43,9 @@ class AdapterTransport:
             name, path = lora_adapter_name(version), str(checkpoint.resolve())
             self.calls.each(urls, "POST", "/unload_lora_adapter", {"lora_name": name})  # "not loaded": the usual case
             answers = self.calls.each(urls, "POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path})
-            failed = {u: f"loading adapter {name} from {path}: {r}" for u, r in answers.items()
-                      if isinstance(r, EngineError)}  # fmt: skip
+            failed = {
+                u: f"loading adapter {name} from {path}: {r}" for u, r in answers.items() if isinstance(r, EngineError)
+            }
             if all_refused(urls, failed, answers):
                 raise ArlError(f"every server refused /load_lora_adapter of version {version}: {failed}")
             for url, answer in answers.items():

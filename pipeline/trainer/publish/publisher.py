@@ -94,13 +94,18 @@ class PublishOptions:
     @classmethod
     def from_config(cls, config: Any) -> PublishOptions:
         trainer = config.trainer
-        return cls(broadcast_timeout_s=trainer.broadcast_timeout_s, dtype=config.model.dtype, seed=trainer.seed,
-                   verify_model=Path(config.model.path) if trainer.verify else None,
-                   logprob_atol=trainer.verify_tolerance,
-                   min_servers=config.inference.min_servers, update_mode=config.inference.update_mode,
-                   pause_mode=config.inference.pause_mode,
-                   interface=config.cluster.network_interface,
-                   adapter=trainer.publishes_adapters)  # fmt: skip
+        return cls(
+            broadcast_timeout_s=trainer.broadcast_timeout_s,
+            dtype=config.model.dtype,
+            seed=trainer.seed,
+            verify_model=Path(config.model.path) if trainer.verify else None,
+            logprob_atol=trainer.verify_tolerance,
+            min_servers=config.inference.min_servers,
+            update_mode=config.inference.update_mode,
+            pause_mode=config.inference.pause_mode,
+            interface=config.cluster.network_interface,
+            adapter=trainer.publishes_adapters,
+        )
 
     @property
     def pause(self) -> str:
@@ -151,8 +156,9 @@ class _Member:
 class Publisher:
     """Publishes versions to the servers of one run (one per trainer process, rank 0)."""
 
-    def __init__(self, kind: str, paths: RunPaths, timeout_s: float, tied_embeddings: bool,
-                 options: PublishOptions | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, kind: str, paths: RunPaths, timeout_s: float, tied_embeddings: bool, options: PublishOptions | None = None
+    ) -> None:
         if kind not in ("disk", "nccl"):
             raise ValueError(f"unknown trainer.weight_sync {kind!r}; valid: disk, nccl")
         self.paths = paths
@@ -161,16 +167,30 @@ class Publisher:
         self.options = options or PublishOptions()
         self.calls = ServerCalls(timeout_s)
         self.transport: DiskTransport | BroadcastTransport | AdapterTransport = (
-            AdapterTransport(self.calls) if self.options.adapter
-            else DiskTransport(self.calls) if kind == "disk"
-            else BroadcastTransport(self.calls, paths, self.options.broadcast_timeout_s, self.options.on_bucket,
-                                    interface=self.options.interface)
-        )  # fmt: skip
+            AdapterTransport(self.calls)
+            if self.options.adapter
+            else DiskTransport(self.calls)
+            if kind == "disk"
+            else BroadcastTransport(
+                self.calls,
+                paths,
+                self.options.broadcast_timeout_s,
+                self.options.on_bucket,
+                interface=self.options.interface,
+            )
+        )
         model = self.options.verify_model
         self.verifier = (
-            Verifier(model, self.options.dtype, tied_embeddings, seed=self.options.seed,
-                     logprob_atol=self.options.logprob_atol) if model else None
-        )  # fmt: skip
+            Verifier(
+                model,
+                self.options.dtype,
+                tied_embeddings,
+                seed=self.options.seed,
+                logprob_atol=self.options.logprob_atol,
+            )
+            if model
+            else None
+        )
 
     def publish(self, version: int, checkpoint: Path | None, state_dict: StateDict | None) -> PublishReport:
         """Put `version` on the servers and verify it (module docstring); raises when it cannot be announced."""
@@ -221,9 +241,16 @@ class Publisher:
             return merged_from_files(path, self.options.verify_model or base_of(path)) if self.verifier else {}
         return read_checkpoint(path)
 
-    def _round(self, version: int, pending: list[_Member], checkpoint: Path | None, sent: dict[str, torch.Tensor],
-               pending_expected: Future[Expected] | None, verified: dict[str, _Member],
-               report: PublishReport) -> None:  # fmt: skip
+    def _round(
+        self,
+        version: int,
+        pending: list[_Member],
+        checkpoint: Path | None,
+        sent: dict[str, torch.Tensor],
+        pending_expected: Future[Expected] | None,
+        verified: dict[str, _Member],
+        report: PublishReport,
+    ) -> None:
         """Pause, send and verify `pending`; add who verified to `verified`, take the others out."""
         t0 = time.perf_counter()
         urls = [m.url for m in pending]
@@ -250,9 +277,10 @@ class Publisher:
             raise ArlError(
                 f"version {version} failed verification on every server ({len(bad)}), so what the trainer sent is "
                 f"wrong (a tensor under a wrong name, in a wrong dtype) or every server corrupted it: "
-                + "; ".join(bad.values()) + ". Nothing is announced; the servers stay paused until a trainer "
+                + "; ".join(bad.values())
+                + ". Nothing is announced; the servers stay paused until a trainer "
                 "publishes a verified version (a restarted trainer publishes the version it resumes from)"
-            )  # fmt: skip
+            )
         failed.update(bad)
         for member in pending:
             if member.url in failed:
@@ -274,9 +302,15 @@ class Publisher:
 
         verdicts = self.calls.runner.run(every(), self.timeout_s + 30)
         for v in verdicts:
-            log.info("version %d on %s: %s (probe max |diff| %.2g, %d weights read back, %.2fs)", expected.version,
-                     v.url, "verified" if v.ok else f"FAILED: {v.problem}", v.probe_max_diff, v.weights_checked,
-                     v.seconds)  # fmt: skip
+            log.info(
+                "version %d on %s: %s (probe max |diff| %.2g, %d weights read back, %.2fs)",
+                expected.version,
+                v.url,
+                "verified" if v.ok else f"FAILED: {v.problem}",
+                v.probe_max_diff,
+                v.weights_checked,
+                v.seconds,
+            )
         return verdicts
 
     def _retired(self, members: list[_Member], verified: dict[str, _Member]) -> set[str]:
@@ -286,9 +320,17 @@ class Publisher:
     def _take_out(self, member: _Member, version: int, reason: str) -> None:
         """Ask the inference stage to deregister and recover `member` (it stays paused meanwhile)."""
         log.error("taking inference server %s (%s) out at version %d: %s", member.name, member.url, version, reason)
-        write_json_atomic(self.paths.quarantine_entry(member.name), {
-            "server": member.name, "url": member.url, "started_at": member.started_at, "version": version,
-            "reason": reason, "at": time.time()})  # fmt: skip
+        write_json_atomic(
+            self.paths.quarantine_entry(member.name),
+            {
+                "server": member.name,
+                "url": member.url,
+                "started_at": member.started_at,
+                "version": version,
+                "reason": reason,
+                "at": time.time(),
+            },
+        )
 
     def _resume(self, urls: list[str], version: int) -> None:
         for url, why in self.calls.failures(urls, "POST", "/continue_generation", {}).items():
@@ -298,8 +340,11 @@ class Publisher:
         """Every registered server not waiting to be taken out (routable or not: all get every version)."""
         queue = self.paths.quarantine
         quarantined = {p.stem for p in queue.glob("*.json")} if queue.is_dir() else set()
-        return [_Member(name, e.url, e.started_at, e.backend) for name, e in read_entries(self.paths).items()
-                if name not in quarantined]  # fmt: skip
+        return [
+            _Member(name, e.url, e.started_at, e.backend)
+            for name, e in read_entries(self.paths).items()
+            if name not in quarantined
+        ]
 
     @property
     def group_name(self) -> str:
@@ -315,8 +360,9 @@ class Publisher:
         self.calls.close()
 
 
-def make_publisher(kind: str, paths: RunPaths, timeout_s: float, tied_embeddings: bool,
-                   options: PublishOptions | None = None) -> Publisher:  # fmt: skip
+def make_publisher(
+    kind: str, paths: RunPaths, timeout_s: float, tied_embeddings: bool, options: PublishOptions | None = None
+) -> Publisher:
     return Publisher(kind, paths, timeout_s, tied_embeddings, options)
 
 

@@ -103,11 +103,13 @@ class ServerCalls:
     def start(self, urls: list[str], method: str, path: str, body: Any) -> dict[str, concurrent.futures.Future[Any]]:
         """Start `path` on each server (its own future), for calls that must overlap the broadcast."""
         per_url = body if isinstance(body, dict) and set(body) == set(urls) else None
-        return {u: self.runner.submit(self.client._admin(u, method, path, per_url[u] if per_url else body))
-                for u in urls}  # fmt: skip
+        return {
+            u: self.runner.submit(self.client._admin(u, method, path, per_url[u] if per_url else body)) for u in urls
+        }
 
-    def settle(self, futures: dict[str, concurrent.futures.Future[Any]], timeout_s: float,
-               what: str) -> dict[str, Answer]:  # fmt: skip
+    def settle(
+        self, futures: dict[str, concurrent.futures.Future[Any]], timeout_s: float, what: str
+    ) -> dict[str, Answer]:
         """Each started call's answer or error, waiting at most `timeout_s` in all: a server that has not
         answered by then is stalled (its call is cancelled)."""
         deadline = time.monotonic() + timeout_s
@@ -172,9 +174,15 @@ class _Group:
 class BroadcastTransport:
     """Bucketed broadcast over a group shared with the servers (gloo on CPU, nccl on GPU)."""
 
-    def __init__(self, calls: ServerCalls, paths: RunPaths, broadcast_timeout_s: float,
-                 on_bucket: Callable[[int, int], None] | None = None, *,
-                 interface: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        calls: ServerCalls,
+        paths: RunPaths,
+        broadcast_timeout_s: float,
+        on_bucket: Callable[[int, int], None] | None = None,
+        *,
+        interface: str | None = None,
+    ) -> None:
         self.calls = calls
         self.interface = interface
         """`cluster.network_interface`; None: the group's address is the one on the route to the servers."""
@@ -245,23 +253,45 @@ class BroadcastTransport:
         address = group_address(urls, self.interface)
         port = free_port("0.0.0.0")  # the store listens on every interface: the port must be free on all
         name = f"{GROUP_NAME}-{uuid.uuid4().hex[:8]}"
-        write_json_atomic(self.paths.weight_sync, {"master_address": address, "master_port": port, "group_name": name,
-                                                   "backend": self.backend, "world_size": world,
-                                                   "created_at": time.time()})  # fmt: skip
+        write_json_atomic(
+            self.paths.weight_sync,
+            {
+                "master_address": address,
+                "master_port": port,
+                "group_name": name,
+                "backend": self.backend,
+                "world_size": world,
+                "created_at": time.time(),
+            },
+        )
         bodies, rank = {}, 1
         for url in urls:
-            bodies[url] = {"master_address": address, "master_port": port, "rank_offset": rank, "world_size": world,
-                           "group_name": name, "backend": self.backend}  # fmt: skip
+            bodies[url] = {
+                "master_address": address,
+                "master_port": port,
+                "rank_offset": rank,
+                "world_size": world,
+                "group_name": name,
+                "backend": self.backend,
+            }
             rank += sizes[url]
         joined = self.calls.start(urls, "POST", "/init_weights_update_group", bodies)
         try:
-            handle = init_weight_group(address, port, rank=0, world_size=world, group_name=name, backend=self.backend,
-                                       timeout_s=self.broadcast_timeout_s)  # fmt: skip
+            handle = init_weight_group(
+                address,
+                port,
+                rank=0,
+                world_size=world,
+                group_name=name,
+                backend=self.backend,
+                timeout_s=self.broadcast_timeout_s,
+            )
         except Exception as exc:  # the rendezvous deadline passed: someone did not join
             answers = self.calls.settle(joined, self.broadcast_timeout_s, f"join weight group {name}")
             blamed = {u: str(r) for u, r in answers.items() if isinstance(r, EngineError) and r.status is None}
-            return blamed or {u: f"did not join weight group {name} within {self.broadcast_timeout_s:.0f}s: {exc}"
-                              for u in urls}  # fmt: skip
+            return blamed or {
+                u: f"did not join weight group {name} within {self.broadcast_timeout_s:.0f}s: {exc}" for u in urls
+            }
         answers = self.calls.settle(joined, self.broadcast_timeout_s, f"join weight group {name}")
         self.group = _Group(name, list(urls), handle)
         blamed = {u: f"/init_weights_update_group: {r}" for u, r in answers.items() if isinstance(r, EngineError)}
@@ -276,9 +306,13 @@ class BroadcastTransport:
     ) -> dict[str, str]:
         """One bucket: every server's receive (HTTP) overlapping rank 0's broadcast; {} when all confirmed."""
         assert self.group is not None
-        body: dict[str, Any] = {"names": list(bucket), "dtypes": [dtype_name(t.dtype) for t in bucket.values()],
-                                "shapes": [list(t.shape) for t in bucket.values()], "group_name": self.group.name,
-                                "flush_cache": announce is not None}  # fmt: skip
+        body: dict[str, Any] = {
+            "names": list(bucket),
+            "dtypes": [dtype_name(t.dtype) for t in bucket.values()],
+            "shapes": [list(t.shape) for t in bucket.values()],
+            "group_name": self.group.name,
+            "flush_cache": announce is not None,
+        }
         if announce is not None:
             body["weight_version"] = str(announce)
         pending = self.calls.start(urls, "POST", "/update_weights_from_distributed", body)
@@ -292,8 +326,10 @@ class BroadcastTransport:
         if not failed and sent_error is None:
             return {}
         if all_refused(urls, failed, answers):
-            raise ArlError(f"every server refused bucket {which} of the broadcast: {failed}"
-                           + (f" (rank 0: {sent_error})" if sent_error else ""))  # fmt: skip
+            raise ArlError(
+                f"every server refused bucket {which} of the broadcast: {failed}"
+                + (f" (rank 0: {sent_error})" if sent_error else "")
+            )
         unreachable = {u: m for u, m in failed.items() if getattr(answers[u], "status", None) is None}
         # With a broken collective the servers that answered 400 are its victims; blame the silent ones.
         blamed = unreachable if sent_error is not None and unreachable else failed

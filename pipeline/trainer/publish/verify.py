@@ -156,8 +156,9 @@ class ProbeModel:
 class Verifier:
     """Builds each version's expectations on the trainer and checks servers against them."""
 
-    def __init__(self, model_dir: Path, dtype: str, tied: bool, *, seed: int = 0,
-                 logprob_atol: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, model_dir: Path, dtype: str, tied: bool, *, seed: int = 0, logprob_atol: float | None = None
+    ) -> None:
         self.dtype = dtype
         self.tol = tolerance_for(dtype, logprob_atol)
         self.tied = tied
@@ -210,15 +211,18 @@ class Verifier:
         verdict.probe_max_diff = math.inf if nan is not None else diffs[worst]
         i = nan if nan is not None else worst
         if nan is not None or diffs[i] > self.tol.logprob_atol:
-            return (f"{url}: probe position {i + 1} (token {expected.probe[i + 1]}): server logprob {got[i]:.6f}, "
-                    f"trainer {expected.logprobs[i]:.6f} (|diff| {diffs[i]:.3g} > {self.tol.logprob_atol} for "
-                    f"{self.dtype}) at version {expected.version}")  # fmt: skip
+            return (
+                f"{url}: probe position {i + 1} (token {expected.probe[i + 1]}): server logprob {got[i]:.6f}, "
+                f"trainer {expected.logprobs[i]:.6f} (|diff| {diffs[i]:.3g} > {self.tol.logprob_atol} for "
+                f"{self.dtype}) at version {expected.version}"
+            )
         return None
 
     async def _compare_weights(self, client: Any, url: str, expected: Expected, verdict: Verdict) -> str | None:
         names = list(expected.weights)
-        answers = await asyncio.gather(*(client.weights_by_name(url, n, WEIGHT_ROWS) for n in names),
-                                       return_exceptions=True)  # fmt: skip
+        answers = await asyncio.gather(
+            *(client.weights_by_name(url, n, WEIGHT_ROWS) for n in names), return_exceptions=True
+        )
         for name, rows in zip(names, answers, strict=True):
             want = expected.weights[name]
             if isinstance(rows, EngineError):
@@ -238,7 +242,9 @@ class Verifier:
             if not bool(torch.isfinite(got).all()) or float(diff.max()) > self.tol.weight_atol:
                 flat = int(torch.nan_to_num(diff, nan=math.inf).argmax())
                 index = list(np.unravel_index(flat, tuple(got.shape)))
-                return (f"{url}: weight {name}{[int(j) for j in index]}: server {got.flatten()[flat].item():.8g}, "
-                        f"trainer {want.flatten()[flat].item():.8g} at version {expected.version}")  # fmt: skip
+                return (
+                    f"{url}: weight {name}{[int(j) for j in index]}: server {got.flatten()[flat].item():.8g}, "
+                    f"trainer {want.flatten()[flat].item():.8g} at version {expected.version}"
+                )
             verdict.weights_checked += 1
         return None

@@ -372,9 +372,15 @@ class Scheduler:
         prompt = None if seq.prompt_sent else seq.prompt
         seq.prompt_sent = seq.prompt_sent or prompt is not None
         return Progress(
-            seq.output[start:], seq.logprobs[start:], self.weight_version, seq.finish, seq.top[start:], prompt,
-            new_versions=seq.versions[start:], cached_tokens=seq.cached_tokens,
-        )  # fmt: skip
+            seq.output[start:],
+            seq.logprobs[start:],
+            self.weight_version,
+            seq.finish,
+            seq.top[start:],
+            prompt,
+            new_versions=seq.versions[start:],
+            cached_tokens=seq.cached_tokens,
+        )
 
     def _finish(self, seq: Seq, finish: dict[str, Any]) -> None:
         if seq.finish is not None:

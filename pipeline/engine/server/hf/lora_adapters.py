@@ -65,8 +65,10 @@ class LoraAdapters:
         directory = Path(path)
         config_file, weights_file = directory / "adapter_config.json", directory / "adapter_model.safetensors"
         if not config_file.is_file() or not weights_file.is_file():
-            raise RequestError(f"lora_path {path!r} is not a PEFT adapter directory (needs adapter_config.json and "
-                               "adapter_model.safetensors)")  # fmt: skip
+            raise RequestError(
+                f"lora_path {path!r} is not a PEFT adapter directory (needs adapter_config.json and "
+                "adapter_model.safetensors)"
+            )
         try:
             config = json.loads(config_file.read_text())
         except (OSError, ValueError) as exc:
@@ -170,8 +172,9 @@ def _scale(config: dict[str, Any], where: Path) -> float:
         raise RequestError(f"{where}: the hf engine serves plain LoRA adapters; this one uses {', '.join(refused)}")
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, int | float):
-        raise RequestError(f"{where}: needs an integer r >= 1 and a numeric lora_alpha, got r={rank!r} "
-                           f"lora_alpha={alpha!r}")  # fmt: skip
+        raise RequestError(
+            f"{where}: needs an integer r >= 1 and a numeric lora_alpha, got r={rank!r} lora_alpha={alpha!r}"
+        )
     return float(alpha) / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 
@@ -198,10 +201,17 @@ def _layers(model: Any, tensors: dict[str, torch.Tensor], where: Path) -> dict[s
         if set(pair) != {"lora_A", "lora_B"}:
             raise RequestError(f"{where}: {name!r} has {sorted(pair)} only; LoRA needs both A and B")
         a, b = pair["lora_A"], pair["lora_B"]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != module.in_features or b.shape[0] != module.out_features \
-                or a.shape[0] != b.shape[1]:  # fmt: skip
-            raise RequestError(f"{where}: {name!r} has A {list(a.shape)} and B {list(b.shape)}; the served layer "
-                               f"maps {module.in_features} -> {module.out_features}")  # fmt: skip
+        if (
+            a.dim() != 2
+            or b.dim() != 2
+            or a.shape[1] != module.in_features
+            or b.shape[0] != module.out_features
+            or a.shape[0] != b.shape[1]
+        ):
+            raise RequestError(
+                f"{where}: {name!r} has A {list(a.shape)} and B {list(b.shape)}; the served layer "
+                f"maps {module.in_features} -> {module.out_features}"
+            )
         weight = module.weight
         layers[name] = (a.to(weight.device, weight.dtype), b.to(weight.device, weight.dtype))
     return layers

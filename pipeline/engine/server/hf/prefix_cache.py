@@ -27,7 +27,8 @@ across an update) is not stored when it finishes.
 
 Who does not use it: a request that wants its prompt scored (`logprob_start_len` >= 0, the trainer's
 verification probes among them) is prefilled whole, so its prompt logits are all computed. Nor does a request
-served by a LoRA adapter (`lora_adapters.py`): its KV differs from the base model's, and the cache holds the base's only.
+served by a LoRA adapter (`lora_adapters.py`): its KV differs from the base model's, and the cache holds the
+base's only.
 
 Batching hits and misses: each row's cached KV is left-padded to the widest hit, its remaining tokens
 left-padded to the longest remainder; the attention mask is [prefix mask | suffix mask], which has a
@@ -298,8 +299,12 @@ def store_finished(cache: PrefixCache, seqs: list[Seq], batch: KVBatch) -> None:
     if batch.rows != len(seqs):
         return
     for row, seq in enumerate(seqs):
-        if seq.finish is None or seq.finish.get("type") not in STORED_FINISHES or seq.cache_epoch != cache.epoch \
-                or seq.req.lora is not None:  # fmt: skip
+        if (
+            seq.finish is None
+            or seq.finish.get("type") not in STORED_FINISHES
+            or seq.cache_epoch != cache.epoch
+            or seq.req.lora is not None
+        ):
             continue
         tokens = seq.req.input_ids + seq.output[:-1]  # the last sampled token has no KV yet
         columns = batch.mask[row].nonzero().squeeze(1)
@@ -308,13 +313,19 @@ def store_finished(cache: PrefixCache, seqs: list[Seq], batch: KVBatch) -> None:
             continue
         if len(tokens) < 2 or cache.covered(tokens) or _row_bytes(batch, len(tokens)) > cache.budget_bytes:
             continue
-        cache.insert(tokens, [(k[row : row + 1].index_select(2, columns), v[row : row + 1].index_select(2, columns))
-                              for k, v in batch.kv])  # fmt: skip
+        cache.insert(
+            tokens,
+            [
+                (k[row : row + 1].index_select(2, columns), v[row : row + 1].index_select(2, columns))
+                for k, v in batch.kv
+            ],
+        )
 
 
 def _row_bytes(batch: KVBatch, length: int) -> int:
-    return sum(length * (k[0, :, 0].numel() * k.element_size() + v[0, :, 0].numel() * v.element_size())
-               for k, v in batch.kv)  # fmt: skip
+    return sum(
+        length * (k[0, :, 0].numel() * k.element_size() + v[0, :, 0].numel() * v.element_size()) for k, v in batch.kv
+    )
 
 
 def _left_pad_kv(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -327,6 +338,14 @@ def _left_pad_kv(t: torch.Tensor, width: int) -> torch.Tensor:
 def describe(cache: PrefixCache | None) -> dict[str, Any]:
     """`server_info`'s `prefix_cache` field (zeros when the cache is off)."""
     if cache is None:
-        return {"entries": 0, "tokens": 0, "bytes": 0, "budget_bytes": 0, "lookups": 0, "hits": 0,
-                "tokens_reused": 0, "evictions": 0}  # fmt: skip
+        return {
+            "entries": 0,
+            "tokens": 0,
+            "bytes": 0,
+            "budget_bytes": 0,
+            "lookups": 0,
+            "hits": 0,
+            "tokens_reused": 0,
+            "evictions": 0,
+        }
     return cache.stats()

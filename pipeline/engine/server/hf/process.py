@@ -80,11 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--return-original-logprob", action="store_true")
     parser.add_argument("--incremental-streaming-output", action="store_true")
-    parser.add_argument("--weight-group-timeout-s", type=float, default=600.0,
-                        help="deadline of joining a weight-broadcast group and of each receive over it")  # fmt: skip
-    parser.add_argument("--prefix-cache-mb", type=int, default=256,
-                        help="memory for the KV cache of finished requests, reused by later requests that share "
-                             "their prefix (0: off)")  # fmt: skip
+    parser.add_argument(
+        "--weight-group-timeout-s",
+        type=float,
+        default=600.0,
+        help="deadline of joining a weight-broadcast group and of each receive over it",
+    )
+    parser.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=256,
+        help="memory for the KV cache of finished requests, reused by later requests that share their prefix (0: off)",
+    )
     args = parser.parse_args(argv)
     # Before torch starts OpenMP: idle OpenMP workers must sleep, not spin. A spinning worker competes
     # with the event-loop thread for the cores (and the GIL hand-offs between them), which made CPU

@@ -200,8 +200,11 @@ class WeightUpdates:
         """Load `tensors` into the model between two scheduler steps (SGLang's update semantics): copied, or
         (`swap`: received buffers of the parameters' own dtype) swapped in, the old storage kept as spare."""
         spare = self.staged.spare
-        apply = (lambda: swap_named_tensors(self.model, tensors, spare)) if swap else (
-            lambda: apply_named_tensors(self.model, tensors))  # fmt: skip
+        apply = (
+            (lambda: swap_named_tensors(self.model, tensors, spare))
+            if swap
+            else (lambda: apply_named_tensors(self.model, tensors))
+        )
         return int(await asyncio.wrap_future(self.scheduler.update(apply, version=version, abort_all=abort_all)))
 
 

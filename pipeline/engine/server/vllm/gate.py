@@ -132,8 +132,10 @@ class Gate:
             await self._settle()
             return f"generation paused (mode abort): {aborted} requests aborted, new ones held"
         if self.frozen and not self.steady.is_set():
-            raise RequestError(f"cannot pause with mode wait: requests are frozen ({self.frozen}) under a weight "
-                               "update; end the update, then pause again")  # fmt: skip
+            raise RequestError(
+                f"cannot pause with mode wait: requests are frozen ({self.frozen}) under a weight "
+                "update; end the update, then pause again"
+            )
         await self._settle()  # requests frozen by an earlier pause run on to their end
         await self._drain("paused (mode wait)")
         return "generation paused (mode wait): no request in flight, new ones held"
