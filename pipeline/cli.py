@@ -111,14 +111,14 @@ def stage(
     step: int | None = typer.Option(None, "--step", help="Redo exactly this one step, then exit."),
 ) -> int:
     """Run one stage in this process (what each Slurm job runs)."""
-    import importlib
-
     from pipeline.run.jobs import record_this_slurm_job
     from pipeline.run.paths import RunPaths
 
     record_this_slurm_job(RunPaths(run_dir), name.value)
-    module = importlib.import_module(f"stages.{name.value}")
-    return int(module.main(run_dir=run_dir, step=step) or 0)
+    from stages import inference, proxy, rollout, train  # each imports its heavy modules inside main()
+
+    mains = {"inference": inference.main, "rollout": rollout.main, "proxy": proxy.main, "train": train.main}
+    return int(mains[name.value](run_dir=run_dir, step=step) or 0)
 
 
 @app.command()

@@ -12,13 +12,10 @@ from pathlib import Path
 
 def main(run_dir: Path, step: int | None = None) -> int:
     """Produce trajectories; returns the exit code (errors propagate to the CLI, which prints them)."""
-    from pipeline.errors import ConfigError
     from pipeline.run.logs import run_async
     from pipeline.run.stage import open_stage
 
     ctx = open_stage("rollout", run_dir, step)
-    if ctx.config.rollout.source == "external":
-        raise ConfigError("rollout.source is external: outside agents feed this run; start `arl stage proxy` instead")
 
     from pipeline.rollout.loop import run_rollout
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pipeline.errors import ConfigError
 from pipeline.run.paths import RunPaths
+from pipeline.run.stage import stages_for
 from schemas.config import ArlConfig, StageResources
 
 LAUNCH_ORDER = ("inference", "rollout", "proxy", "train")
@@ -36,11 +37,6 @@ class StagePlan:
     """The command expects MASTER_ADDR / MASTER_PORT (set by the sbatch script)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables the stage's processes get (exported by the sbatch script / the local launcher)."""
-
-
-def stages_for(config: ArlConfig) -> list[str]:
-    """The stages of a run: the built-in rollout, or the standalone proxy when agents are external."""
-    return ["inference", "proxy" if config.rollout.source == "external" else "rollout", "train"]
 
 
 def sbatch_script_path(paths: RunPaths, stage: str) -> Path:

@@ -14,8 +14,8 @@ import re
 import subprocess
 from dataclasses import dataclass, field
 
-from pipeline.launch.plan import stages_for
 from pipeline.launch.preflight import Outcome, Problem, slurm_commands_here
+from pipeline.run.stage import stages_for
 from schemas.config import ArlConfig, StageResources
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from pipeline.errors import ConfigError
 from pipeline.run.config import config_from_run_dir
 from pipeline.run.logs import setup_logging
 from pipeline.run.paths import RunPaths
@@ -44,6 +45,18 @@ class StageContext:
         return cls(name, RunPaths(Path(run_dir)), config_from_run_dir(run_dir), attempt, only_step, rank)
 
 
+def stages_for(config: ArlConfig) -> list[StageName]:
+    """The stages of a run: the built-in rollout, or the standalone proxy when agents are external."""
+    return ["inference", "proxy" if config.rollout.source == "external" else "rollout", "train"]
+
+
+# Why a stage that is not among `stages_for(config)` is refused, and which one to start instead.
+_NOT_THIS_RUN = {
+    "rollout": "rollout.source is external: outside agents feed this run; start `arl stage proxy` instead",
+    "proxy": "rollout.source is agent: the rollout stage runs this run's agents; start `arl stage rollout` instead",
+}
+
+
 def open_stage(name: StageName, run_dir: Path, step: int | None = None) -> StageContext:
     """The stage preamble: the frozen config, attempt number, rank-aware log file and logging.
 
@@ -55,6 +68,8 @@ def open_stage(name: StageName, run_dir: Path, step: int | None = None) -> Stage
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("ARL_ATTEMPT", "0")) or paths.next_attempt(name)
     setup_logging(name, stage_log_file(paths, name, attempt, rank))
+    if name not in stages_for(config):
+        raise ConfigError(_NOT_THIS_RUN[name])
     if config.metrics.wandb is not None and name != "inference":
         from pipeline.run.sinks import import_wandb
 

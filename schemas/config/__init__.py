@@ -118,6 +118,18 @@ class ArlConfig(Block):
         return self
 
     @model_validator(mode="after")
+    def _external_agents_have_a_client_key(self) -> ArlConfig:
+        """Outside agents start their sessions with a client key: a standalone proxy without one serves nobody."""
+        if self.rollout.source == "external" and not self.proxy.client_keys:
+            raise PydanticCustomError(
+                UNSUPPORTED,
+                "rollout.source=external: external agents need a client key to start sessions: "
+                'set proxy.client_keys (docs/proxy.md, "Keys")',
+                {},
+            )
+        return self
+
+    @model_validator(mode="after")
     def _workers_are_reached_over_http(self) -> ArlConfig:
         """Several proxy workers are other processes: no agent request can be handed to them in process."""
         if self.proxy.workers > 1 and self.rollout.source == "agent" and self.rollout.agent_transport == "in_process":

@@ -109,7 +109,7 @@ def test_a_replaced_key_tells_the_new_one(tmp_path: Path) -> None:
     path.write_text("rollout:\n  external: true\n  batch_size: 2\n")
     with pytest.raises(ConfigError, match=hint):
         load_config(path)
-    assert load_config(None, ["rollout.source=external"]).rollout.source == "external"
+    assert load_config(None, ["rollout.source=external", "proxy.client_keys=[k]"]).rollout.source == "external"
     assert load_config(None).rollout.source == "agent"
 
 
@@ -244,3 +244,8 @@ def test_lora_block_and_its_refusals() -> None:
     with pytest.raises(ConfigError, match=r"modules_to_save needs trainer\.lora\.publish=merged"):
         load_config(None, ["trainer.lora.publish=adapter", "trainer.lora.modules_to_save=[norm]"])
     assert load_config(None, ["trainer.lora.modules_to_save=[norm]"]).trainer.lora.modules_to_save == ["norm"]  # type: ignore[union-attr]
+
+
+def test_external_agents_without_a_client_key_are_refused_at_load() -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.source=external: external agents need a client key"):
+        load_config(None, ["rollout.source=external"])

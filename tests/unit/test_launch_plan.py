@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import ConfigError
-from pipeline.launch.plan import plan_run, plan_stage, sbatch_directives, sbatch_script_path, stages_for
+from pipeline.launch.plan import plan_run, plan_stage, sbatch_directives, sbatch_script_path
 from pipeline.launch.sbatch import render_sbatch
 from pipeline.run.config import load_config
 from pipeline.run.paths import RunPaths
+from pipeline.run.stage import stages_for
 from schemas.config import StageResources
 
 FULL = [
@@ -106,8 +107,8 @@ def test_only_the_trainer_and_the_inference_servers_span_nodes(tmp_path: Path) -
 
 def test_external_agents_run_the_standalone_proxy_instead_of_rollout(tmp_path: Path) -> None:
     assert stages_for(load_config(None)) == ["inference", "rollout", "train"]
-    assert [p.stage for p in plan_run(load_config(None, ["rollout.source=external"]), tmp_path)] == [
-        "inference", "proxy", "train"]  # fmt: skip
+    external = load_config(None, ["rollout.source=external", "proxy.client_keys=[k]"])
+    assert [p.stage for p in plan_run(external, tmp_path)] == ["inference", "proxy", "train"]
 
 
 def test_extra_sbatch_must_be_an_option(tmp_path: Path) -> None:

@@ -43,7 +43,7 @@ def _records(seed: int = 0, groups: int = 2, group_size: int = 2) -> list[Spoole
 def _config(tmp_path: Path, **rollout: Any) -> Any:
     rollout = {"source": "external", "batch_size": 4, "max_staleness": 5, **rollout}
     return validate_config({"fileroot": str(tmp_path / "runs"), "num_steps": 3, "model": {"path": "tiny"},
-                            "rollout": rollout})  # fmt: skip
+                            "rollout": rollout, "proxy": {"client_keys": ["k"]}})  # fmt: skip
 
 
 def _bits(values: list[float]) -> list[bytes]:

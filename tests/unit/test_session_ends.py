@@ -117,7 +117,8 @@ async def test_a_spool_that_cannot_be_written_fails_the_end_call_and_stops_the_s
     paths.proxy_spool.parent.mkdir(parents=True)
     paths.proxy_spool.write_text("a file where the spool directory belongs")
     config = validate_config({"fileroot": str(tmp_path / "runs"), "num_steps": 1, "model": {"path": "tiny"},
-                              "rollout": {"source": "external", "batch_size": 1}})  # fmt: skip
+                              "rollout": {"source": "external", "batch_size": 1},
+                              "proxy": {"client_keys": ["k"]}})  # fmt: skip
     store = _store()
     subscriber = SpoolSubscriber(Spool(paths), config)
     store.on_end(subscriber.subscribe(LocalControl(store)))

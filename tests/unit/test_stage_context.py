@@ -78,3 +78,14 @@ def test_a_dir_without_config_is_named(tmp_path: Path) -> None:
         open_stage("train", tmp_path / "typo")
     assert not (tmp_path / "typo").exists(), "a wrong --run-dir gets no logs/ created in it"
     assert StageContext.from_run_dir("proxy", _run_dir(tmp_path).root, only_step=1).only_step == 1
+
+
+def test_a_stage_this_run_does_not_have_is_refused_with_the_one_to_start(tmp_path: Path) -> None:
+    paths = _run_dir(tmp_path)
+    with pytest.raises(ConfigError, match=r"rollout\.source is agent: .*start `arl stage rollout` instead"):
+        open_stage("proxy", paths.root)
+    external = load_config(None, ["num_steps=3", "rollout.source=external", "proxy.client_keys=[k]"])
+    paths.config.write_text(dump_config(external))
+    with pytest.raises(ConfigError, match=r"rollout\.source is external: .*start `arl stage proxy` instead"):
+        open_stage("rollout", paths.root)
+    assert open_stage("proxy", paths.root).name == "proxy"
