@@ -13,7 +13,8 @@ Finished sessions fill the current step in finish order; `batch_size` sessions w
 step, published like the rollout's (stale samples dropped, constant groups dropped if configured,
 metrics line, cursor-free: the step number is the first one without a manifest). Admission follows
 the same staleness rule as the rollout: capacity is granted only for steps whose bound
-k - max_staleness the published weight version meets (this needs `proxy.require_capacity: true`;
+max(k - max_staleness, 0) the published weight version meets, i.e. steps up to
+`newest_servable_step(version, max_staleness)` (this needs `proxy.require_capacity: true`;
 without it sessions are admitted freely and only the per-token check applies).
 
 Nothing finished is lost to a kill: the end call answers only once the subscriber has exported the
@@ -45,7 +46,7 @@ from pipeline.rollout.spool import CONSUMED_KEY, Spool, SpooledSession
 from pipeline.rollout.stats import StepTally
 from pipeline.run.paths import RunPaths
 from pipeline.run.stage import StageContext
-from pipeline.run.weight_version import published_version
+from pipeline.run.weight_version import newest_servable_step, published_version
 from schemas.config import ArlConfig
 from schemas.trajectory import TrajectoryRow
 
@@ -135,7 +136,7 @@ def count_session(record: SpooledSession, step: int, tally: StepTally) -> list[T
 
 @dataclass
 class Admission:
-    """Capacity bookkeeping: grant slots only for steps the weight version allows."""
+    """Capacity bookkeeping: grant slots only for steps the weight version allows (`newest_servable_step`)."""
 
     granted: int = 0
 
@@ -151,7 +152,7 @@ class Admission:
         in_flight: int,
         started_total: int,
     ) -> int:
-        last_allowed = min(version + max_staleness, num_steps - 1)
+        last_allowed = min(newest_servable_step(version, max_staleness), num_steps - 1)
         if last_allowed < step:
             return 0
         allowed = (last_allowed - step + 1) * batch_size - buffered

@@ -1,6 +1,6 @@
 """The rollout stage's loop: one complete, versioned step of trajectories at a time.
 
-Per step k (`produce_step`): wait for weights of version >= k - max_staleness → run the step's
+Per step k (`produce_step`): wait for weights of version >= max(k - max_staleness, 0) → run the step's
 prompts × group_size through the agent (each run is one proxy session, driven in process through
 `ProxyControl`: admitted through the capacity gate, rewarded, ended, exported as typed rows) →
 filter (rejected runs, stale samples, constant groups) → check the error rate → publish shards +
@@ -28,12 +28,13 @@ from pipeline.eval.inrun import InRunEvaluation, pending_versions
 from pipeline.eval.runner import Where
 from pipeline.proxy.control import ProxyControl
 from pipeline.rollout.progress_bar import StepProgress
-from pipeline.rollout.staleness import required_version, split_stale, wait_for_version
+from pipeline.rollout.staleness import split_stale, wait_for_version
 from pipeline.rollout.stats import StepTally, drop_constant_groups
 from pipeline.rollout.tasks import TaskMix, task_figures
 from pipeline.run.paths import RunPaths
 from pipeline.run.sinks import MetricsSink
 from pipeline.run.stage import StageContext
+from pipeline.run.weight_version import oldest_usable_version
 from schemas.config import ArlConfig
 from schemas.trajectory import TrajectoryRow
 
@@ -151,7 +152,7 @@ async def produce_step(ro: Rollout, step: int) -> None:
     started, cpu_started = time.perf_counter(), time.process_time()
     version = await wait_for_version(
         ro.paths,
-        required_version(step, cfg.max_staleness),
+        oldest_usable_version(step, cfg.max_staleness),
         timeout_s=cfg.wait_timeout_s,
         engine_version=ro.engine.weight_version,
     )
@@ -259,7 +260,7 @@ def filter_rows(rows: list[TrajectoryRow], step: int, config: ArlConfig, tally: 
             "step %d: dropped %d samples with tokens older than version %d",
             step,
             tally.dropped_stale,
-            required_version(step, config.rollout.max_staleness),
+            oldest_usable_version(step, config.rollout.max_staleness),
         )
     if config.rollout.drop_constant_groups:
         rows, tally.dropped_constant_groups, tally.dropped_constant_samples = drop_constant_groups(rows)

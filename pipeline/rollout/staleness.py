@@ -1,4 +1,7 @@
-"""Staleness control: rollout of step k may use weights of version >= k - max_staleness (docs/rollout.md).
+"""Staleness control: rollout of step k may use weights of version >= max(k - max_staleness, 0) (docs/rollout.md).
+
+The bound itself is `pipeline.run.weight_version.oldest_usable_version`, shared with the trainer's filter and
+the external admission so that the three cannot drift apart.
 
 Enforced twice. Before a step's sessions are admitted, the rollout waits until both the trainer's
 published version (`state/weight_version.json`; version 0 needs no file) and every engine server's
@@ -19,14 +22,10 @@ from pipeline.engine.client import EngineError
 from pipeline.errors import WaitTimeout
 from pipeline.run.handoff import poll_delay
 from pipeline.run.paths import RunPaths
-from pipeline.run.weight_version import published_version
+from pipeline.run.weight_version import oldest_usable_version, published_version
 from schemas.trajectory import TrajectoryRow
 
 log = logging.getLogger("arl.rollout")
-
-
-def required_version(step: int, max_staleness: int) -> int:
-    return max(step - max_staleness, 0)
 
 
 async def wait_for_version(
@@ -91,7 +90,7 @@ def oldest_version(row: TrajectoryRow) -> int:
 
 def split_stale(rows: list[TrajectoryRow], step: int, max_staleness: int) -> tuple[list[TrajectoryRow], int]:
     """(rows within the bound, number dropped for an older token)."""
-    bound = required_version(step, max_staleness)
+    bound = oldest_usable_version(step, max_staleness)
     kept = [r for r in rows if oldest_version(r) >= bound]
     return kept, len(rows) - len(kept)
 

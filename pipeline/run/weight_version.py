@@ -1,4 +1,10 @@
-"""The one writer and the one reader of `state/weight_version.json` (schema: `schemas/weight_version.py`)."""
+"""The one writer and the one reader of `state/weight_version.json` (schema: `schemas/weight_version.py`),
+and the staleness rule that says which versions a step may use (docs/rollout.md, "The loop").
+
+The rule lives here, below both its users: the rollout (`pipeline/rollout/staleness.py` and the external
+admission in `pipeline/rollout/external.py`) and the trainer (`pipeline/trainer/data.py`) must not import
+each other, and they must agree on the bound to the version.
+"""
 
 from __future__ import annotations
 
@@ -49,6 +55,25 @@ def published_version(paths: RunPaths) -> int:
     """The announced version as a number: 0 when nothing has been published yet."""
     record = read_weight_version(paths)
     return record.version if record is not None else 0
+
+
+def oldest_usable_version(step: int, max_staleness: int) -> int:
+    """The staleness rule: step `step` may use weights of version >= max(step - max_staleness, 0).
+
+    Clamped at 0 because version 0 (the initial weights) is the oldest there is: the first
+    `max_staleness` steps all accept it, and a wait for a negative version would be meaningless.
+    """
+    return max(step - max_staleness, 0)
+
+
+def newest_servable_step(version: int, max_staleness: int) -> int:
+    """The same rule read the other way: the newest step that weights of `version` (>= 0) may still serve.
+
+    It is the largest k with `oldest_usable_version(k, max_staleness) <= version`; the clamp at 0 never
+    binds there because a published version is never negative (tests/unit/test_rollout_staleness.py
+    checks the two against each other).
+    """
+    return version + max_staleness
 
 
 def announced_adapter(config: ArlConfig, paths: RunPaths) -> AnnouncedAdapter | None:

@@ -1,7 +1,8 @@
 """Load one complete step of trajectory shards into `Sample`s, validated and staleness-checked.
 
 Staleness policy (documented in docs/trainer.md): a sample whose oldest sampled token came from
-weight version < k - max_staleness is DROPPED and counted (`stale_dropped` metric, a warning in the
+weight version < max(k - max_staleness, 0) (`pipeline.run.weight_version.oldest_usable_version`, the
+rollout's bound too) is DROPPED and counted (`stale_dropped` metric, a warning in the
 log), not an error: the rollout admits sessions under the bound, but a long multi-turn session
 admitted in time can still straddle it, and one such sample must not stop a cluster run. If every
 sample of the step is dropped the step is an error (there is nothing to train on, and it means
@@ -19,6 +20,7 @@ import numpy as np
 
 from pipeline.errors import SchemaError
 from pipeline.run.paths import RunPaths
+from pipeline.run.weight_version import oldest_usable_version
 from schemas.config.rollout import DEFAULT_TASK, task_of
 
 log = logging.getLogger("arl.trainer")
@@ -93,7 +95,7 @@ def load_step(paths: RunPaths, step: int, max_staleness: int, with_tasks: bool =
 def filter_samples(step: int, samples: list[Sample], max_staleness: int, where: str = "step") -> StepData:
     """Drop (and count) samples older than the staleness bound or with nothing to train."""
     _check_invariants(samples, where)
-    oldest_allowed = step - max_staleness
+    oldest_allowed = oldest_usable_version(step, max_staleness)
     kept, stale, untrainable = [], 0, 0
     for s in samples:
         if s.min_version < oldest_allowed:
@@ -112,9 +114,9 @@ def filter_samples(step: int, samples: list[Sample], max_staleness: int, where: 
         )
     if samples and not kept:
         raise SchemaError(
-            f"{where}: all {len(samples)} samples dropped ({stale} older than version {oldest_allowed} = step "
-            f"{step} - max_staleness {max_staleness}, {untrainable} without trainable tokens); the rollout "
-            "must respect rollout.max_staleness"
+            f"{where}: all {len(samples)} samples dropped ({stale} older than version {oldest_allowed}, the "
+            f"bound of step {step} with max_staleness {max_staleness}; {untrainable} without trainable tokens); "
+            "the rollout must respect rollout.max_staleness"
         )
     if not samples:
         raise SchemaError(f"{where}: the step has no samples; nothing to train on")
