@@ -5,7 +5,7 @@ own, `lora_adapter_name(v)` (SGLang's `/load_lora_adapter`; the vLLM backend tur
 `/v1/load_lora_adapter`), and relabels its weight version (SGLang's `/update_weight_version`), which the rollout's
 staleness checks read. Nothing is paused: no request's weights change, since a request keeps the adapter it named
 for its whole life, and no request names the new one before the trainer announces it, after verification
-(`publish.py`; the proxy's engine client names the announced version's adapter, `weight_version.AnnouncedAdapter`).
+(`publisher.py`; the proxy's engine client names the announced version's adapter, `weight_version.AnnouncedAdapter`).
 
 Afterwards the adapters of versions before v - 1 are unloaded; v - 1 stays, since the proxy may name it until it
 re-reads the announcement. An unload waits on the server for the requests still running on that adapter, so it
