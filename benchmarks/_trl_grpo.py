@@ -19,8 +19,9 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # `_trl_align` beside this file
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # run as `python benchmarks/_trl_grpo.py`: the root, for `benchmarks.` imports
 
 
 class Record:
@@ -67,7 +68,7 @@ def _split(result: Any) -> tuple[float, dict[str, float]]:
 
 
 def _score_function(spec: dict[str, Any]) -> Any:
-    from _trl_align import agent_namespace
+    from benchmarks._trl_align import agent_namespace
 
     return agent_namespace(_agent(spec))["score"]
 
@@ -81,7 +82,8 @@ def _agent(spec: dict[str, Any]) -> Any:
 async def _agent_rewards(agent: Any, rows: list[dict[str, Any]], replies: list[str], spec: dict[str, Any]) -> list[Any]:
     """Run the agent once per completion, its one request answered with TRL's completion."""
     import httpx
-    from _trl_align import FAKE_BASE_URL, completion_json
+
+    from benchmarks._trl_align import FAKE_BASE_URL, completion_json
 
     async def one(row: dict[str, Any], reply: str) -> Any:
         def answer(request: httpx.Request) -> httpx.Response:

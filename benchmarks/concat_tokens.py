@@ -40,10 +40,10 @@ from typing import Any
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))  # `_multiturn_sessions` beside this file, also when tests load this file by path
-from _multiturn_sessions import SessionExport, collect_sessions  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # run as `python benchmarks/concat_tokens.py`: the root, for `benchmarks.` imports
+from benchmarks._multiturn_sessions import SessionExport, collect_sessions  # noqa: E402
 
 STYLES = ("concat", "individual")
 TOKEN_RATIO_TARGET = 0.25

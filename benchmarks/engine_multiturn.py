@@ -39,8 +39,7 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(REPO_ROOT))  # run as `python benchmarks/engine_multiturn.py`: for `benchmarks.` imports
 TURNS, FIRST, SUFFIX, NEW_TOKENS = 8, 200, 20, 16
 SPEEDUP_TARGET = 2.0
 TTFT_GROWTH_TARGET = 1.5
@@ -109,8 +108,7 @@ def bench_model(
     model_dir: Path, concurrencies: list[int], workdir: Path, name: str, device: str
 ) -> dict[tuple[int, int], Run]:
     """Runs keyed by (concurrency, prefix_cache_mb); each concurrency's pair measured back to back."""
-    from engine_throughput import start_server, stop
-
+    from benchmarks.engine_throughput import start_server, stop
     from pipeline.net.addresses import free_port
 
     runs: dict[tuple[int, int], Run] = {}

@@ -56,11 +56,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
-for _path in (HERE, REPO_ROOT):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))  # `train_throughput` beside this file; `pipeline` when run as a script
-from _lora_publish import publication_figures  # noqa: E402
-from train_throughput import QWEN_05B, SMALL  # noqa: E402
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))  # run as `python benchmarks/lora.py`: the root, for `benchmarks.` imports
+from benchmarks._lora_publish import publication_figures  # noqa: E402
+from benchmarks.train_throughput import QWEN_05B, SMALL  # noqa: E402
 
 FULL = "full"
 WORKER_TAG = "WORKER "
@@ -240,10 +239,10 @@ def run_worker(spec: Spec) -> dict[str, Any]:
 
 def build_model(out: Path, small: bool, max_len: int) -> None:
     """The random model, built in a child process so that this one stays small."""
-    code = ("import sys, json; from pathlib import Path; from train_throughput import make_model; "
+    code = ("import sys, json; from pathlib import Path; from benchmarks.train_throughput import make_model; "
             "make_model(Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3]))")  # fmt: skip
     argv = [sys.executable, "-c", code, str(out), json.dumps(SMALL if small else QWEN_05B), str(max_len)]
-    subprocess.run(argv, env={**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{REPO_ROOT}"}, check=True,
+    subprocess.run(argv, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, check=True,
                    timeout=TIMEOUT_S)  # fmt: skip
 
 

@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO))  # run as `python benchmarks/lora_learning.py`: for `benchmarks.` imports
 
-from demo_learning import EXACT, SeedRun, run_seed  # noqa: E402
+from benchmarks.demo_learning import EXACT, SeedRun, run_seed  # noqa: E402
 
 LORA = ["trainer.lora.rank=128", "trainer.lora.alpha=64", "trainer.optimizer.lr=5e-4", "trainer.lora.lr_ratio=16",
         "trainer.lora.modules_to_save=[norm]"]  # fmt: skip

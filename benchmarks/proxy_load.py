@@ -38,12 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))  # `_proxy_stack` beside this file, also when tests load this file by path
-# The processes (re-exported: tests load this script as their harness and call these by name).
-from _proxy_stack import Stack, start_engine, start_proxy, start_stack  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # run as `python benchmarks/proxy_load.py`: the root, for `benchmarks.` imports
+# The processes (re-exported: tests import this script as their harness and call these by name).
+from benchmarks._proxy_stack import Stack, start_engine, start_proxy, start_stack  # noqa: E402
 
 __all__ = ["Stack", "start_engine", "start_proxy", "start_stack"]
 CALCULATOR = {
@@ -271,7 +270,6 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--model-dir", default=None, help="default: a fresh tiny qwen model")
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
     from transformers import AutoTokenizer
 
     from pipeline.demo.tiny_model import make_tiny_model

@@ -164,10 +164,10 @@ def main() -> None:
     if args.serve:
         serve(args.serve[0], args.serve[1], int(args.serve[2]), args.serve[3])
         return
-    sys.path[:0] = [str(REPO), str(HERE)]
-    from proxy_overhead import _free_port, _wait_http
+    sys.path.insert(0, str(REPO))
     from transformers import AutoTokenizer
 
+    from benchmarks.proxy_overhead import _free_port, _wait_http
     from pipeline.demo.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:

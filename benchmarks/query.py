@@ -32,9 +32,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shard_io import make_rows
-
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # run as `python benchmarks/query.py`: the root, for `benchmarks.` imports
+from benchmarks.shard_io import make_rows  # noqa: E402
+
 STEP = 5
 SQL_SCAN = ("SELECT finish_reason, count(*) AS samples, avg(reward) AS reward_mean, sum(n_tokens) AS tokens, "
             "sum(n_sampled) AS sampled FROM samples GROUP BY finish_reason ORDER BY finish_reason")  # fmt: skip
@@ -172,7 +174,6 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions (the best counts)")
     parser.add_argument("--dir", type=Path, default=None, help="work dir (default: a temp dir, removed after)")
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
     workdir = Path(tempfile.mkdtemp(prefix="arl-query-bench-", dir=args.dir))
     try:
         result = run(args.samples, args.repeat, workdir)

@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # `_trl_align` beside this file
-
 REPO_ROOT = HERE.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))  # run as `python benchmarks/vs_trl.py`: the root, for `benchmarks.` imports
 TRL_VERSION = "1.16"
 LABELS = ("trl", "arl-sync", "arl-async")
 GOAL_ASYNC_SPEEDUP = 2.0
@@ -155,8 +155,7 @@ def _yaml(path: Path) -> dict[str, Any]:
 
 
 def run_trl(workdir: Path, model_dir: Path, steps: int, seed: int, overrides: list[str]) -> Run:
-    from _trl_align import capture_prompts, grpo_config_kwargs, max_completion_tokens, spec_json
-
+    from benchmarks._trl_align import capture_prompts, grpo_config_kwargs, max_completion_tokens, spec_json
     from pipeline.demo.demo_run import DEMO_CONFIG, demo_file_overrides
     from pipeline.run.config import load_config
 

@@ -37,10 +37,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # `vs_trl` beside this file
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # run as `python benchmarks/vs_trl_seeds.py`: the root, for `benchmarks.` imports
 
-from vs_trl import (  # noqa: E402
+from benchmarks.vs_trl import (  # noqa: E402
     DEFAULT_STEPS,
     T95,
     Run,
@@ -135,7 +136,7 @@ def parse_args() -> argparse.Namespace:
 def report_rescore(run: Run) -> tuple[int, int] | None:
     """Rescore the run's samples as TRL's reward function would (`_trl_align.rescore_shards`): the same reward from
     the same tokens on both sides, or the pair could differ for that reason alone."""
-    from _trl_align import rescore_shards
+    from benchmarks._trl_align import rescore_shards
 
     assert run.run_dir is not None
     result = rescore_shards(run.run_dir, len(run.rewards))

@@ -3,32 +3,20 @@
 Real parts on loopback: the tiny model served by a real `hf` engine, the real proxy, an 8-turn
 tool-using agent on the plain OpenAI SDK (`benchmarks/_multiturn_sessions.py`), and the trainer's
 own path (shard write and load, packing, `TorchBackend.logprobs`). The harness is
-`benchmarks/concat_tokens.py`, imported by path: the same code the benchmark runs. Timing is the
+`benchmarks/concat_tokens.py`, imported as a module: the same code the benchmark runs. Timing is the
 benchmark's business, never asserted here.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
-REPO = Path(__file__).resolve().parents[2]
 TURNS = 8
 
 
-def load_harness() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("concat_tokens", REPO / "benchmarks" / "concat_tokens.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["concat_tokens"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
 async def test_both_styles_give_every_sampled_token_the_same_logprob(tiny_model_dir: Path, tmp_path: Path) -> None:
-    harness = load_harness()
+    from benchmarks import concat_tokens as harness
+
     sessions = await harness.collect_sessions(tiny_model_dir, sessions=2, turns=TURNS, max_tokens=8, group_size=2)
     for s in sessions:
         assert s.num_interactions == TURNS and s.prefix_breaks == 0

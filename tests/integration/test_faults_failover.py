@@ -8,7 +8,6 @@ SIGKILLed by pid while it is decoding. The second test runs the real `arl stage 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import random
@@ -20,7 +19,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
@@ -33,18 +31,10 @@ REPO = Path(__file__).resolve().parents[2]
 LONG = {"max_new_tokens": 600, "ignore_eos": True}
 
 
-def load_harness() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("proxy_load", REPO / "benchmarks" / "proxy_load.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["proxy_load"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
 def two_servers(tiny_model_dir: Path, tmp_path: Path) -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
-    harness = load_harness()
+    from benchmarks import proxy_load as harness
+
     servers = [harness.start_engine(tiny_model_dir, tmp_path / f"engine{i}.log") for i in range(2)]
     yield servers
     for _, proc in servers:
@@ -102,7 +92,8 @@ async def kill_mid_request(url_a: str, proc_a: subprocess.Popen[bytes], url_b: s
 
 @pytest.fixture(scope="module")
 def killed_mid_request(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KillOutcome]:
-    harness = load_harness()
+    from benchmarks import proxy_load as harness
+
     work = tmp_path_factory.mktemp("kill_mid_request")
     (url_a, proc_a), (url_b, proc_b) = [harness.start_engine(tiny_model_dir, work / f"engine{i}.log") for i in range(2)]
     try:

@@ -10,11 +10,9 @@ A case that fails is printed by Hypothesis with its body, so it can be replayed 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import secrets
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,19 +23,9 @@ import httpx
 import pytest
 from threaded_proxy import WORKERS, ThreadedProxy  # tests/integration is on sys.path (pytest)
 
-REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = int(os.environ.get("ARL_FUZZ_EXAMPLES", str(60 * int(os.environ.get("ARL_FUZZ_SCALE", "1")))))
 KEY_KINDS = ("none", "wrong", "admin", "client", "session")
 TIMEOUT_S = 60.0  # per request: a hang fails the case
-
-
-def load_harness() -> Any:
-    spec = importlib.util.spec_from_file_location("proxy_load", REPO / "benchmarks" / "proxy_load.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["proxy_load"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclass
@@ -55,7 +43,8 @@ def target(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
            request: pytest.FixtureRequest) -> Iterator[Target]:  # fmt: skip
     import schemathesis
 
-    harness = load_harness()
+    from benchmarks import proxy_load as harness
+
     work = tmp_path_factory.mktemp("fuzz_proxy")
     admin, client = "arl-admin-" + secrets.token_urlsafe(12), "client-" + secrets.token_urlsafe(12)
     engine_url, engine = harness.start_engine(tiny_model_dir, work / "engine.log")

@@ -1,6 +1,6 @@
 """Load: 256 concurrent sessions × 4 turns with tool calls through one proxy process and a real `hf` engine.
 
-The harness is `benchmarks/proxy_load.py` (the same code the benchmark runs, imported by path): the
+The harness is `benchmarks/proxy_load.py` (the same code the benchmark runs, imported as a module): the
 engine and the proxy are separate processes on loopback, the agents use the real OpenAI SDK. Asserted
 here: zero lost or mismatched interactions (every completion exported exactly once, in its own
 session, token counts equal to the API's usage, exact turns extending each other token for token,
@@ -12,8 +12,6 @@ process) are back at the warm-up baseline. Latency is printed, never asserted.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -24,7 +22,6 @@ import pytest
 # ~9 minutes on a 2-core machine shared with other jobs: above the suite's 600 s default.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-REPO = Path(__file__).resolve().parents[2]
 SESSIONS, TURNS, MAX_TOKENS = 256, 4, 4
 # Tolerances of the leak check. A leaked session keeps its tree (interactions, token lists, messages):
 # hundreds of objects each, so 256 leaked sessions add far more than OBJECT_SLACK objects.
@@ -32,18 +29,11 @@ OBJECT_SLACK = 1500
 RSS_SLACK_MB = 40.0
 
 
-def load_harness() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("proxy_load", REPO / "benchmarks" / "proxy_load.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["proxy_load"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def harness() -> ModuleType:
-    return load_harness()
+    from benchmarks import proxy_load
+
+    return proxy_load
 
 
 @pytest.fixture(scope="module")

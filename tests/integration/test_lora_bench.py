@@ -1,29 +1,16 @@
 """`benchmarks/lora.py` on the tiny model, in this process: every figure group runs and the sizes compare the right
-way round. The harness is imported by path (the code the benchmark runs); timing and peak memory are the
+way round. The harness is imported as a module (the code the benchmark runs); timing and peak memory are the
 benchmark's business, never asserted here."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load_harness() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("lora_bench", REPO / "benchmarks" / "lora.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["lora_bench"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_full_and_lora_figures_on_the_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> None:
-    harness = load_harness()
+    from benchmarks import lora as harness
+
     configs = {}
     for label, rank in (("full", 0), ("lora r4", 4)):
         spec = harness.Spec(label, str(tiny_model_dir), str(tmp_path), seqs=2, seq_len=32, steps=1, rank=rank)

@@ -26,7 +26,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
     "bf16-weights reference for the bound (docs/megatron.md, GPU checks)",
 )
 def test_bf16_step_is_as_close_to_fp32_as_the_torch_backend(tiny_model_dir: Path, tmp_path: Path) -> None:
-    bench = _bench()
+    from benchmarks import megatron_gpu as bench  # its configs, one-step runner and error measures
+
     rows = _rows(tiny_model_dir)
     runs = {}
     for name, backend, bf16 in [("fp32", "torch", False), ("hf", "torch", True), ("megatron", "megatron", True)]:
@@ -41,7 +42,8 @@ def test_fp32_step_on_cuda_equals_the_torch_backend(tiny_model_dir: Path, tmp_pa
     """Without bf16 (trainer.bf16=false) the megatron path on CUDA (its DDP, optimizer, packed rope, SDPA
     attention, conversion) computes the torch backend's numbers: every error within 1e-5 (measured on an
     H100: <= 1e-6)."""
-    bench = _bench()
+    from benchmarks import megatron_gpu as bench  # its configs, one-step runner and error measures
+
     rows = _rows(tiny_model_dir)
     runs = {}
     for name, backend in [("torch", "torch"), ("megatron", "megatron")]:
@@ -49,18 +51,6 @@ def test_fp32_step_on_cuda_equals_the_torch_backend(tiny_model_dir: Path, tmp_pa
         runs[name] = bench.one_step(config, tiny_model_dir, bench.make_plan(rows, config, 256))
     for key, value in bench.errors(runs["megatron"], runs["torch"]).items():
         assert value <= 1e-5, (key, value)
-
-
-def _bench() -> Any:
-    """benchmarks/megatron_gpu.py as a module: the tests reuse its configs, one-step runner and error measures."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "megatron_gpu.py"
-    spec = importlib.util.spec_from_file_location("megatron_gpu_bench", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
 
 
 def _rows(model_dir: Path) -> list[Any]:

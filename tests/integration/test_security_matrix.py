@@ -10,22 +10,18 @@ checks A was left exactly as it was.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import secrets
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
 KINDS = ("none", "wrong", "other_session", "session", "other_client", "owner_client", "admin")
 # endpoint -> expected status per kind, in KINDS order
 MATRIX: dict[str, tuple[int, ...]] = {
@@ -45,15 +41,6 @@ MATRIX: dict[str, tuple[int, ...]] = {
 NEEDS_COMPLETION = {"POST /rl/set_reward", "POST /rl/v1/set_reward"}
 
 
-def load_harness() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("proxy_load", REPO / "benchmarks" / "proxy_load.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["proxy_load"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @dataclass
 class Proxy:
     url: str
@@ -69,7 +56,8 @@ class Proxy:
 
 @pytest.fixture(scope="module")
 def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
-    harness = load_harness()
+    from benchmarks import proxy_load as harness
+
     work = tmp_path_factory.mktemp("security")
     admin = "arl-admin-" + secrets.token_urlsafe(18)
     clients = ["client-" + secrets.token_urlsafe(18) for _ in range(2)]
@@ -238,7 +226,8 @@ def test_proxy_and_engine_bind_only_where_configured(proxy: Proxy, tiny_model_di
     assert not refused("127.0.0.1", port)
     assert refused(others[0], port), f"the proxy configured for 127.0.0.1 accepts connections on {others[0]}"
     # and the other way round: bound to the other address, loopback is refused
-    harness = load_harness()
+    from benchmarks import proxy_load as harness
+
     engine_url, engine = harness.start_engine(tiny_model_dir, tmp_path / "engine.log")
     try:
         engine_port = int(engine_url.rsplit(":", 1)[1])
