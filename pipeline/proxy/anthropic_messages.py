@@ -16,10 +16,12 @@ from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 
-from pipeline.proxy.core import CallSpec, Completion, Generator
+from pipeline.proxy.core import Completion, Generator
 from pipeline.proxy.errors import ApiError, bad_request
 from pipeline.proxy.http import json_response
 from pipeline.proxy.messages import Message, content_text, tool_call
+from pipeline.proxy.parsers import Event
+from pipeline.proxy.prepare import CallSpec
 from pipeline.proxy.sessions import Session
 from pipeline.proxy.streaming import SSE_HEADERS, sse
 from schemas.api.anthropic import AnthropicMessage, Block, MessagesRequest
@@ -209,67 +211,93 @@ def response_body(mid: str, model: str, done: Completion) -> dict[str, Any]:
 
 
 async def _stream(mid: str, model: str, items: Any) -> AsyncIterator[bytes]:
-    def event(kind: str, data: dict[str, Any]) -> bytes:
-        return sse({"type": kind, **data}, event=kind)
-
+    """Anthropic's events: message_start, each content block's start, deltas and stop, message_delta, message_stop."""
+    blocks = _Blocks()
     started = False
-    index = -1
-    open_kind: str | None = None
     try:
         async for item in items:
             if not started:
                 started = True
-                yield event(
-                    "message_start",
-                    {
-                        "message": {
-                            "id": mid,
-                            "type": "message",
-                            "role": "assistant",
-                            "model": model,
-                            "content": [],
-                            "stop_reason": None,
-                            "stop_sequence": None,
-                            "usage": {"input_tokens": 0, "output_tokens": 0},
-                        }
-                    },
-                )
+                yield _event("message_start", {"message": _message_start(mid, model)})
             if item.done is not None:
-                if open_kind is not None:
-                    yield event("content_block_stop", {"index": index})
-                reason, sequence = _stop(item.done)
-                yield event(
-                    "message_delta",
-                    {
-                        "delta": {"stop_reason": reason, "stop_sequence": sequence, **item.done.arl_fields()},
-                        "usage": {
-                            "input_tokens": item.done.prompt_tokens,
-                            "output_tokens": item.done.completion_tokens,
-                        },
-                    },
-                )
-                yield event("message_stop", {})
+                for chunk in [*blocks.close(), *_message_end(item.done)]:
+                    yield chunk
                 continue
-            ev = item.event
-            kind = {"reasoning": "thinking", "content": "text", "tool_call": "tool_use"}[ev.kind]
-            if kind != open_kind or kind == "tool_use":
-                if open_kind is not None:
-                    yield event("content_block_stop", {"index": index})
-                index += 1
-                open_kind = kind
-                if kind == "thinking":
-                    block: dict[str, Any] = {"type": "thinking", "thinking": "", "signature": ""}
-                elif kind == "text":
-                    block = {"type": "text", "text": ""}
-                else:
-                    block = {"type": "tool_use", "id": ev.call.id, "name": ev.call.name, "input": {}}
-                yield event("content_block_start", {"index": index, "content_block": block})
-            if kind == "thinking":
-                delta = {"type": "thinking_delta", "thinking": ev.text}
-            elif kind == "text":
-                delta = {"type": "text_delta", "text": ev.text}
-            else:
-                delta = {"type": "input_json_delta", "partial_json": ev.call.arguments}
-            yield event("content_block_delta", {"index": index, "delta": delta})
+            for chunk in blocks.feed(item.event):
+                yield chunk
     except ApiError as exc:
         yield sse(exc.anthropic_body(), event="error")
+
+
+def _event(kind: str, data: dict[str, Any]) -> bytes:
+    return sse({"type": kind, **data}, event=kind)
+
+
+def _message_start(mid: str, model: str) -> dict[str, Any]:
+    """The message of `message_start`: no content yet, no usage counted yet."""
+    return {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": 0, "output_tokens": 0},
+    }
+
+
+def _message_end(done: Completion) -> list[bytes]:
+    """`message_delta` (the stop reason and the usage) and `message_stop`."""
+    reason, sequence = _stop(done)
+    delta = {
+        "delta": {"stop_reason": reason, "stop_sequence": sequence, **done.arl_fields()},
+        "usage": {"input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens},
+    }
+    return [_event("message_delta", delta), _event("message_stop", {})]
+
+
+_BLOCK_KINDS = {"reasoning": "thinking", "content": "text", "tool_call": "tool_use"}
+
+
+class _Blocks:
+    """The content blocks of a streamed message: a new block starts when the kind of text changes, and every tool
+    call is a block of its own (Anthropic streams a block's start, its deltas, then its stop)."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open_kind: str | None = None
+
+    def feed(self, ev: Event) -> list[bytes]:
+        """The events of one parser event: the open block's stop and a new block's start if needed, then the delta."""
+        kind = _BLOCK_KINDS[ev.kind]
+        out = []
+        if kind != self.open_kind or kind == "tool_use":
+            out += self.close()
+            self.index += 1
+            self.open_kind = kind
+            out.append(_event("content_block_start", {"index": self.index, "content_block": _block_start(kind, ev)}))
+        out.append(_event("content_block_delta", {"index": self.index, "delta": _block_delta(kind, ev)}))
+        return out
+
+    def close(self) -> list[bytes]:
+        """The open block's `content_block_stop` (nothing if none is open)."""
+        return [_event("content_block_stop", {"index": self.index})] if self.open_kind is not None else []
+
+
+def _block_start(kind: str, ev: Event) -> dict[str, Any]:
+    if kind == "thinking":
+        return {"type": "thinking", "thinking": "", "signature": ""}
+    if kind == "text":
+        return {"type": "text", "text": ""}
+    assert ev.call is not None  # a tool_call event carries its call
+    return {"type": "tool_use", "id": ev.call.id, "name": ev.call.name, "input": {}}
+
+
+def _block_delta(kind: str, ev: Event) -> dict[str, Any]:
+    if kind == "thinking":
+        return {"type": "thinking_delta", "thinking": ev.text}
+    if kind == "text":
+        return {"type": "text_delta", "text": ev.text}
+    assert ev.call is not None
+    return {"type": "input_json_delta", "partial_json": ev.call.arguments}

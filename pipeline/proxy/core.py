@@ -1,7 +1,7 @@
 """One LLM call, whatever the API: prompt tokens, engine, parsing, recording.
 
 The three API modules convert their request to a `CallSpec` (normalised messages + tools +
-sampling) and their response from `Completion`s / stream events, so the token-exact logic, the
+sampling, `pipeline.proxy.prepare`) and their response from `Completion`s / stream events, so the token-exact logic, the
 parsers and the recording exist once. Every completion the agent receives is recorded as an
 `Interaction` in the session's tree before the response (or the stream's last event) goes out.
 """
@@ -12,62 +12,24 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pipeline.engine.client import EngineClient, EngineError, GenerateResult
 from pipeline.engine.tokens import TopEntry
-from pipeline.proxy.errors import ApiError, bad_request
-from pipeline.proxy.messages import Message, MessageKey, message_key, tool_call, tools_key
-from pipeline.proxy.parsers import TOOL_PARSERS, Event, OutputParser, Parsed, collect, parse_text
+from pipeline.proxy.errors import ApiError
+from pipeline.proxy.messages import Message, message_key, tool_call
+from pipeline.proxy.parsers import Event, OutputParser, Parsed, collect, parse_text
+from pipeline.proxy.prepare import OFFLOAD_CHARS, CallSpec, Prepared, prepare, prompt_chars, sampling_params
 from pipeline.proxy.sessions import Session
 from pipeline.proxy.streaming import IncrementalDetokenizer, StopHolder, cut_at_stop
-from pipeline.proxy.tokenize import ChatTokenizer, check_context, check_context_bound
+from pipeline.proxy.tokenize import ChatTokenizer, check_context_bound
 from pipeline.proxy.trajectory import Interaction
 from schemas.api.rl import SamplingOverride
 from schemas.config.model import ModelConfig
 from schemas.config.proxy import ProxyConfig
 
 log = logging.getLogger("arl.proxy.core")
-
-
-@dataclass
-class CallSpec:
-    """An API-independent chat call."""
-
-    messages: list[Message]
-    tools: list[dict] | None = None
-    """OpenAI chat function tools: [{"type": "function", "function": {"name", "description", "parameters"}}]."""
-    tool_choice: str = "auto"
-    """auto | none | required | named."""
-    tool_name: str | None = None
-    """The tool of a named tool_choice."""
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
-    n: int = 1
-    api: str = "chat"
-    top_logprobs: int = 0
-    """Most likely alternatives to report per sampled token (the engine's `top_logprobs_num`); 0 = none."""
-
-
-@dataclass
-class Prepared:
-    prompt_ids: list[int]
-    parent: Interaction | None
-    prefix_break: bool
-    break_reason: str | None
-    keys: list[MessageKey]
-    tools_key: str
-    render_tools: list[dict] | None
-    prefill: str
-    tool_parser: str
-    max_new_tokens: int
-    prompt_text: str | None = None
-    """The rendered conversation (without prefill), cached on the node for the next turn's fast path."""
 
 
 @dataclass
@@ -103,6 +65,28 @@ class Completion:
         return self.finish_reason in ("length", "abort")
 
 
+@dataclass(frozen=True)
+class Sampled:
+    """One choice as the engine produced it and the parser read it: what `Generator._record` records."""
+
+    index: int
+    """The choice's place among the call's `n`."""
+    interaction_id: str
+    """The id the recorded interaction gets."""
+    output_ids: list[int]
+    """The sampled tokens."""
+    logprobs: list[float]
+    """Their behaviour log-probs, as the engine reported them."""
+    versions: list[int]
+    """The weight version that sampled each token."""
+    engine_reason: str
+    """The engine's finish reason (stop | length | abort)."""
+    parsed: Parsed
+    """The output parsed into content, reasoning and tool calls."""
+    stop_string: str | None
+    """The stop string the output was cut at, if one matched."""
+
+
 @dataclass
 class StreamItem:
     """A streamed increment of choice `index`: a parser event, or the finished completion."""
@@ -110,30 +94,6 @@ class StreamItem:
     index: int
     event: Event | None = None
     done: Completion | None = None
-
-
-_OFFLOAD_CHARS = 65536
-"""Prompts with more characters of content than this are prepared in a worker thread (`prepare_soon`)."""
-
-
-def prompt_chars(spec: CallSpec) -> int:
-    """Characters of the call's message contents and tool calls (a lower bound of the rendered prompt's)."""
-    total = 0
-    for message in spec.messages:
-        content = message.get("content")
-        if isinstance(content, str):
-            total += len(content)
-        elif isinstance(content, list):
-            total += sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
-        for call in message.get("tool_calls") or ():
-            function = call.get("function") if isinstance(call, dict) else None
-            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-                total += len(function["arguments"])
-    return total
-
-
-def _first(imposed: float | None, asked: float | None) -> float | None:
-    return imposed if imposed is not None else asked
 
 
 class Generator:
@@ -155,96 +115,19 @@ class Generator:
         serves every other session. Small prompts, nearly all of them, are prepared inline."""
         chars = prompt_chars(spec)
         check_context_bound(chars, self.tokenizer.max_token_chars, self.model.max_context)
-        if chars > _OFFLOAD_CHARS:
+        if chars > OFFLOAD_CHARS:
             return await asyncio.to_thread(self.prepare, session, spec)
         return self.prepare(session, spec)
 
     def prepare(self, session: Session, spec: CallSpec) -> Prepared:
-        if not spec.messages:
-            raise bad_request("messages must hold at least one message", param="messages")
-        render_tools, prefill, tool_parser = self._tools(spec)
-        keys = [message_key(m) for m in spec.messages]
-        tkey = tools_key(render_tools)
-        match = session.find_parent(keys, tkey)
-        parent, prompt_ids, reason, text = match.parent, None, None, None
-        if parent is not None and match.exact:
-            cached = session.prompt_text(parent.id)
-            if cached is not None and spec.messages[: match.prefix_len - 1] != parent.messages:
-                cached = None  # the fast path needs the very messages the cached text was rendered from
-            ext = self.tokenizer.extend(
-                spec.messages, render_tools, match.prefix_len, parent.output_ids, prefill, parent_text=cached
-            )
-            if ext is not None:
-                prompt_ids = [*parent.prompt_ids, *parent.output_ids, *ext.suffix_ids]
-                text = ext.full_text
-            else:
-                reason = "template_not_prefix_stable"
-        elif parent is not None:
-            reason = "history_edited"
-        if prompt_ids is None:
-            text = self.tokenizer.render(spec.messages, render_tools, add_generation_prompt=True)
-            prompt_ids = self.tokenizer.encode(text + prefill)
-        room = check_context(len(prompt_ids), self.model.max_context)
-        wanted = spec.max_tokens if spec.max_tokens is not None else self.proxy.default_max_tokens
-        imposed = session.sampling.max_tokens if session.sampling is not None else None
-        max_new = max(1, min(wanted, imposed or wanted, self.proxy.max_tokens_limit, room))
-        return Prepared(
-            prompt_ids,
-            parent,
-            reason is not None,
-            reason,
-            keys,
-            tkey,
-            render_tools,
-            prefill,
-            tool_parser,
-            max_new,
-            text,
-        )
-
-    def _tools(self, spec: CallSpec) -> tuple[list[dict] | None, str, str]:
-        """(tools to render, assistant prefill, tool parser name) for the tool_choice."""
-        tools = spec.tools or None
-        parser = self.model.tool_parser
-        if tools is None or spec.tool_choice == "none":
-            if spec.tool_choice in ("required", "named"):
-                raise bad_request(f"tool_choice={spec.tool_choice!r} needs tools", param="tool_choice")
-            return None, "", "none"
-        cls = TOOL_PARSERS[parser]
-        if spec.tool_choice == "named":
-            chosen = [t for t in tools if t["function"]["name"] == spec.tool_name]
-            if not chosen:
-                names = [t["function"]["name"] for t in tools]
-                raise bad_request(
-                    f"tool_choice names {spec.tool_name!r}, which is not among the tools {names}", param="tool_choice"
-                )
-            return chosen, cls.prefill(spec.tool_name), parser
-        if spec.tool_choice == "required":
-            return tools, cls.prefill(None), parser
-        return tools, "", parser
+        """The call's prompt, token-exact against the session's tree (`pipeline.proxy.prepare`)."""
+        return prepare(self.tokenizer, self.model, self.proxy, session, spec)
 
     def sampling_params(
         self, spec: CallSpec, prep: Prepared, index: int, imposed: SamplingOverride | None = None
     ) -> dict[str, Any]:
         """The engine's sampling parameters for choice `index`; `imposed` (the session's) wins over the call's."""
-        params: dict[str, Any] = {
-            "max_new_tokens": prep.max_new_tokens,
-            "stop_token_ids": sorted(self.tokenizer.stop_token_ids),
-        }
-        temperature, top_p = spec.temperature, spec.top_p
-        if imposed is not None:  # no model built per call: this runs for every choice of every call
-            temperature, top_p = _first(imposed.temperature, temperature), _first(imposed.top_p, top_p)
-        if temperature is not None:
-            params["temperature"] = temperature
-        if top_p is not None:
-            params["top_p"] = top_p
-        if spec.top_k is not None and spec.top_k > 0:
-            params["top_k"] = spec.top_k
-        if spec.stop:
-            params["stop"] = list(spec.stop)
-        if spec.seed is not None:
-            params["sampling_seed"] = spec.seed + index
-        return params
+        return sampling_params(spec, prep, index, imposed, self.tokenizer.stop_token_ids)
 
     # -- non-streaming ----------------------------------------------------------------------
     async def complete(self, session: Session, spec: CallSpec, ids: list[str]) -> list[Completion]:
@@ -271,19 +154,17 @@ class Generator:
             text, stop_string = self._output_text(result.output_ids, spec.stop)
             parsed = parse_text(prep.prefill + text, prep.tool_parser, self.reasoning_parser)
             versions = result.output_versions or [result.weight_version] * len(result.output_ids)
-            done = self._record(
-                session,
-                spec,
-                prep,
-                i,
-                iid,
-                result.output_ids,
-                result.output_logprobs,
-                versions,
-                result.finish_reason,
-                parsed,
-                stop_string,
+            sampled = Sampled(
+                index=i,
+                interaction_id=iid,
+                output_ids=result.output_ids,
+                logprobs=result.output_logprobs,
+                versions=versions,
+                engine_reason=result.finish_reason,
+                parsed=parsed,
+                stop_string=stop_string,
             )
+            done = self._record(session, spec, prep, sampled)
             done.top_logprobs = result.output_top_logprobs
             completions.append(done)
         return completions
@@ -380,9 +261,17 @@ class Generator:
         for event in tail:
             events.append(event)
             yield StreamItem(index, event)
-        done = self._record(
-            session, spec, prep, index, iid, ids, logprobs, versions, reason, collect(events), stopper.stopped
+        sampled = Sampled(
+            index=index,
+            interaction_id=iid,
+            output_ids=ids,
+            logprobs=logprobs,
+            versions=versions,
+            engine_reason=reason,
+            parsed=collect(events),
+            stop_string=stopper.stopped,
         )
+        done = self._record(session, spec, prep, sampled)
         done.top_logprobs = top if spec.top_logprobs > 0 else None
         yield StreamItem(index, done=done)
 
@@ -395,39 +284,26 @@ class Generator:
         return version
 
     # -- recording --------------------------------------------------------------------------
-    def _record(
-        self,
-        session: Session,
-        spec: CallSpec,
-        prep: Prepared,
-        index: int,
-        iid: str,
-        output_ids: list[int],
-        logprobs: list[float],
-        versions: list[int],
-        engine_reason: str,
-        parsed: Parsed,
-        stop_string: str | None,
-    ) -> Completion:
-        if engine_reason == "abort":
+    def _record(self, session: Session, spec: CallSpec, prep: Prepared, out: Sampled) -> Completion:
+        if out.engine_reason == "abort":
             finish = "abort"
-        elif engine_reason == "length":
+        elif out.engine_reason == "length":
             finish = "length"
         else:
-            finish = "tool_calls" if parsed.tool_calls else "stop"
-        response = assistant_message(parsed)
+            finish = "tool_calls" if out.parsed.tool_calls else "stop"
+        response = assistant_message(out.parsed)
         metadata: dict[str, Any] = {"api": spec.api}
         if prep.break_reason:
             metadata["prefix_break_reason"] = prep.break_reason
         if prep.prefill:
             metadata["prefill"] = prep.prefill
         interaction = Interaction(
-            id=iid,
+            id=out.interaction_id,
             session_id=session.id,
             prompt_ids=prep.prompt_ids,
-            output_ids=list(output_ids),
-            output_logprobs=[float(x) for x in logprobs],
-            output_versions=list(versions),
+            output_ids=list(out.output_ids),
+            output_logprobs=[float(x) for x in out.logprobs],
+            output_versions=list(out.versions),
             messages=spec.messages,
             response_message=response,
             parent_id=prep.parent.id if prep.parent is not None else None,
@@ -437,7 +313,15 @@ class Generator:
             metadata=metadata,
         )
         session.record(interaction, prep.keys, message_key(response), prep.tools_key, prep.prompt_text)
-        return Completion(index, interaction, parsed, finish, stop_string, len(prep.prompt_ids), len(output_ids))
+        return Completion(
+            index=out.index,
+            interaction=interaction,
+            parsed=out.parsed,
+            finish_reason=finish,
+            stop_string=out.stop_string,
+            prompt_tokens=len(prep.prompt_ids),
+            completion_tokens=len(out.output_ids),
+        )
 
 
 def assistant_message(parsed: Parsed) -> Message:

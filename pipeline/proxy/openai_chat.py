@@ -15,11 +15,14 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
-from pipeline.proxy.core import CallSpec, Completion, StreamItem, token_logprobs
+from pipeline.proxy.core import Completion, StreamItem, token_logprobs
 from pipeline.proxy.errors import ApiError, bad_request
 from pipeline.proxy.messages import Message, content_text, tool_call
+from pipeline.proxy.parsers import Event
+from pipeline.proxy.prepare import CallSpec
 from pipeline.proxy.streaming import sse
 from pipeline.proxy.tokenize import ChatTokenizer
 from schemas.api.openai_chat import ChatCompletionRequest, ChatMessage
@@ -150,22 +153,10 @@ async def stream_body(
     cid: str, model: str, req: ChatCompletionRequest, items: AsyncIterator[StreamItem], tokenizer: ChatTokenizer
 ) -> AsyncIterator[bytes]:
     """SSE chunks: a role chunk per choice, deltas as parsed, a finish chunk, usage, [DONE]."""
-    created = int(time.time())
+    chunks = _Chunks(cid, model, int(time.time()))
     n = req.n or 1
-
-    def chunk(index: int, delta: dict[str, Any], done: Completion | None = None, logprobs: Any = None) -> bytes:
-        choice = {
-            "index": index,
-            "delta": delta,
-            "logprobs": logprobs,
-            **(finish(done) if done is not None else {"finish_reason": None}),
-        }
-        return sse(
-            {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
-        )
-
     for i in range(n):
-        yield chunk(i, {"role": "assistant", "content": ""})
+        yield chunks.choice(i, {"role": "assistant", "content": ""})
     calls = [0] * n
     done: list[Completion] = []
     try:
@@ -174,38 +165,72 @@ async def stream_body(
                 c = item.done
                 done.append(c)
                 logprobs = _logprobs(tokenizer, c) if req.logprobs else None
-                yield chunk(item.index, {}, c, logprobs)
+                yield chunks.choice(item.index, {}, c, logprobs)
                 continue
-            event = item.event
-            assert event is not None
-            if event.kind == "content":
-                yield chunk(item.index, {"content": event.text})
-            elif event.kind == "reasoning":
-                yield chunk(item.index, {"reasoning_content": event.text})
-            elif event.call is not None:
-                call = event.call
-                delta = {
-                    "index": calls[item.index],
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": call.arguments},
-                }
-                calls[item.index] += 1
-                yield chunk(item.index, {"tool_calls": [delta]})
+            delta = _delta(item.event, calls, item.index)
+            if delta is not None:
+                yield chunks.choice(item.index, delta)
     except ApiError as exc:  # headers are out: report in-band, as OpenAI does
         yield sse(exc.openai_body())
         yield b"data: [DONE]\n\n"
         return
     if req.stream_options is not None and req.stream_options.include_usage:
         done.sort(key=lambda c: c.index)
-        yield sse(
-            {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": usage(done),
-            }
-        )
+        yield chunks.usage(done)
     yield b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """The `chat.completion.chunk` events of one streamed completion."""
+
+    cid: str
+    """The completion's id, repeated in every chunk."""
+    model: str
+    """The served model's name."""
+    created: int
+    """When the stream started (seconds), the same in every chunk."""
+
+    def choice(self, index: int, delta: dict[str, Any], done: Completion | None = None, logprobs: Any = None) -> bytes:
+        """A chunk of choice `index`: its delta, and its finish reason once `done`."""
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            **(finish(done) if done is not None else {"finish_reason": None}),
+        }
+        return sse(self._chunk([choice]))
+
+    def usage(self, completions: list[Completion]) -> bytes:
+        """The last chunk when the client asked for usage: no choice, the call's token counts."""
+        return sse({**self._chunk([]), "usage": usage(completions)})
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.cid,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+
+def _delta(event: Event | None, calls: list[int], index: int) -> dict[str, Any] | None:
+    """The delta of a parser event of choice `index` (None: nothing to send); `calls` numbers each choice's tool
+    calls."""
+    assert event is not None
+    if event.kind == "content":
+        return {"content": event.text}
+    if event.kind == "reasoning":
+        return {"reasoning_content": event.text}
+    if event.call is None:
+        return None
+    call = event.call
+    delta = {
+        "index": calls[index],
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+    calls[index] += 1
+    return {"tool_calls": [delta]}

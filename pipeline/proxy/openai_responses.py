@@ -19,11 +19,12 @@ from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 
-from pipeline.proxy.core import CallSpec, Completion, Generator, token_logprobs
+from pipeline.proxy.core import Completion, Generator, token_logprobs
 from pipeline.proxy.errors import ApiError, bad_request
 from pipeline.proxy.http import json_response
 from pipeline.proxy.messages import Message, content_text, tool_call
 from pipeline.proxy.parsers import Event
+from pipeline.proxy.prepare import CallSpec
 from pipeline.proxy.sessions import Session
 from pipeline.proxy.streaming import SSE_HEADERS, sse
 from schemas.api.openai_responses import InputItem, ResponsesRequest

@@ -206,69 +206,77 @@ def build_app(proxy: ProxyServer) -> FastAPI:
     # Added last, so it runs first: a request without a valid key learns nothing about bodies or limits.
     app.add_middleware(KeyCheck, store=proxy.store, routes=proxy.route_keys)
     app.add_middleware(PeerLog, logger=log, what="proxy")  # where agents really call from (docs/operations.md)
+    _add_info_routes(app, proxy)
+    _add_session_routes(app, proxy)
+    add_raw_posts(app, _llm_routes(proxy))
+    publish(app, doc.EVENT_MODELS)  # 400 where FastAPI would say 422; the streams' event models
+    return app
+
+
+# The key kinds of each route are in auth.ROUTE_KEYS, checked before the body is read.
+_CALLER = Depends(caller_of)
+
+
+def _add_info_routes(app: FastAPI, proxy: ProxyServer) -> None:
+    """`/health` and `/v1/models`."""
     served = proxy.model.served_name
 
     @app.get("/health", response_model=None, responses=doc.HEALTH)
     async def health() -> Response:
         return json_response({"status": "ok", "model": served, "open_sessions": proxy.store.open_count()})
 
-    # The key kinds of each route are in auth.ROUTE_KEYS, checked before the body is read.
-    caller_dep = Depends(caller_of)
-
     @app.get("/v1/models", response_model=None, responses=doc.MODELS)
-    async def models(caller: Caller = caller_dep) -> Response:
-        return json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": served,
-                        "object": "model",
-                        "created": 0,
-                        "owned_by": "arl",
-                        "type": "model",
-                        "display_name": served,
-                        "created_at": "1970-01-01T00:00:00Z",
-                        "max_model_len": proxy.model.max_context,
-                    }
-                ],
-            }
-        )
+    async def models(caller: Caller = _CALLER) -> Response:
+        return json_response({"object": "list", "data": [_model_entry(served, proxy.model.max_context)]})
+
+
+def _model_entry(served: str, max_context: int) -> dict[str, Any]:
+    """The one model of `/v1/models`, with OpenAI's and Anthropic's fields both."""
+    return {
+        "id": served,
+        "object": "model",
+        "created": 0,
+        "owned_by": "arl",
+        "type": "model",
+        "display_name": served,
+        "created_at": "1970-01-01T00:00:00Z",
+        "max_model_len": max_context,
+    }
+
+
+def _add_session_routes(app: FastAPI, proxy: ProxyServer) -> None:
+    """Capacity, the session lifecycle (`/rl/...`, the any-agent `/rl/v1/...`) and the export."""
 
     @app.post("/grant_capacity", response_model=None, responses=doc.GRANT)
-    async def grant_capacity(caller: Caller = caller_dep, body: GrantCapacityRequest | None = None) -> Response:
+    async def grant_capacity(caller: Caller = _CALLER, body: GrantCapacityRequest | None = None) -> Response:
         available = proxy.store.grant((body or GrantCapacityRequest()).count)
         return json_response({"available": available})
 
     @app.post("/rl/start_session", response_model=None, responses=doc.START)
-    async def start_session(caller: Caller = caller_dep, body: StartSessionRequest | None = None) -> Response:
+    async def start_session(caller: Caller = _CALLER, body: StartSessionRequest | None = None) -> Response:
         return json_response(rl.start_session(proxy.store, caller, body))
 
     @app.post("/rl/set_reward", response_model=None, responses=doc.SET_REWARD)
-    async def set_reward(body: SetRewardRequest, caller: Caller = caller_dep) -> Response:
+    async def set_reward(body: SetRewardRequest, caller: Caller = _CALLER) -> Response:
         return json_response(rl.set_reward(proxy.store, caller, body))
 
     @app.post("/rl/end_session", response_model=None, responses=doc.END)
     async def end_session(
-        request: Request, caller: Caller = caller_dep, body: EndSessionRequest | None = None
+        request: Request, caller: Caller = _CALLER, body: EndSessionRequest | None = None
     ) -> Response:
         return json_response(await rl.end_session(proxy.store, caller, body, "end_session", _run_status(request)))
 
     @app.post("/export_trajectories", response_model=None, responses=doc.EXPORT)
-    async def export_trajectories(body: ExportRequest, caller: Caller = caller_dep) -> Response:
+    async def export_trajectories(body: ExportRequest, caller: Caller = _CALLER) -> Response:
         return json_response(await rl.export(proxy.store, caller, body))
 
     @app.post("/rl/v1/set_reward", response_model=None, responses=doc.SET_REWARD)
-    async def any_agent_set_reward(body: AnyAgentSetReward, caller: Caller = caller_dep) -> Response:
+    async def any_agent_set_reward(body: AnyAgentSetReward, caller: Caller = _CALLER) -> Response:
         return json_response(rl.any_agent_set_reward(proxy.store, caller, body))
 
     @app.post("/rl/v1/finalize", response_model=None, responses=doc.END)
-    async def any_agent_finalize(request: Request, body: AnyAgentFinalize, caller: Caller = caller_dep) -> Response:
+    async def any_agent_finalize(request: Request, body: AnyAgentFinalize, caller: Caller = _CALLER) -> Response:
         return json_response(await rl.finalize(proxy.store, caller, body, _run_status(request)))
-
-    add_raw_posts(app, _llm_routes(proxy))
-    publish(app, doc.EVENT_MODELS)  # 400 where FastAPI would say 422; the streams' event models
-    return app
 
 
 def _run_status(request: Request) -> str:

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.engine.client import EngineClient
-from pipeline.proxy.core import CallSpec, Generator
+from pipeline.proxy.core import Generator
 from pipeline.proxy.messages import message_key
+from pipeline.proxy.prepare import CallSpec
 from pipeline.proxy.sessions import SessionStore
 from pipeline.proxy.tokenize import ChatTokenizer
 from pipeline.proxy.trajectory import Interaction
