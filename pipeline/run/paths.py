@@ -150,7 +150,7 @@ class RunPaths:
 
     @property
     def pending_metrics(self) -> Path:
-        """The metrics row of the step whose version is being published (logged once the publication ends)."""
+        """A trainer step's metrics row, from before its checkpoint until it is logged (`trainer.step_row.StepRow`)."""
         return self.state / "trainer" / "pending_metrics.json"
 
     def trainer_state_dir(self, version: int) -> Path:

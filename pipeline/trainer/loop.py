@@ -1,13 +1,13 @@
 """The trainer loop. Step k: wait for trajectories/step_k → load and check → advantages → update →
 checkpoint → publish version k+1 → log metrics. Resume starts from the newest version with a
 complete checkpoint and trainer state; `--step N` redoes exactly step N from version N, then exits.
+A step's metrics row is a `StepRow` (pipeline/trainer/step_row.py), held on disk from before the
+checkpoint until it is logged.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import logging
 import os
 import random
@@ -20,7 +20,7 @@ import torch
 
 from pipeline.errors import ArlError
 from pipeline.eval.hold import hold_for_evaluation
-from pipeline.run.handoff import read_json, wait_for, write_json_atomic
+from pipeline.run.handoff import read_json, wait_for
 from pipeline.run.paths import RunPaths, step_name
 from pipeline.run.stage import StageContext
 from pipeline.run.weight_version import write_weight_version
@@ -31,9 +31,10 @@ from pipeline.trainer.backend import MinibatchStats
 from pipeline.trainer.data import StepData, load_step
 from pipeline.trainer.factory import make_backend
 from pipeline.trainer.losses import LossOutput, TokenBatch, policy_loss
-from pipeline.trainer.metrics import Timings, open_sinks, peak_flops, publish_figures, step_metrics
+from pipeline.trainer.metrics import Timings, open_sinks, peak_flops, step_metrics
 from pipeline.trainer.packing import MicroBatch, plan_step
 from pipeline.trainer.publish.publisher import PublishOptions, make_publisher
+from pipeline.trainer.step_row import StepRow
 from schemas.config import ArlConfig
 
 if TYPE_CHECKING:
@@ -115,16 +116,16 @@ class Trainer:
         plan = self.plan(data, advantages, step)
         updates = self.update(plan, timings)
         version = step + 1
+        row = self.metrics_row(step, data, advantages, updates, timings)
         # Held before the checkpoint: once it is complete a resume starts past this step, so a trainer stopped
         # anywhere after it (a peer lost at its barrier, the publication) must have left this row behind.
-        values = self.hold_metrics(step, data, advantages, updates, timings)
+        row.hold()
         checkpoint = self.maybe_checkpoint(version, timings, force=rerun)
-        values["time_checkpoint_s"] = timings.checkpoint_s
-        self.hold(step, values)
+        row.checkpointed(timings.checkpoint_s)
         if self.rank0 and not rerun:  # the engines keep version `step` until its in-run evaluation is recorded
             timings.eval_hold_s = hold_for_evaluation(self.paths, self.config, step)
         self.publish(version, checkpoint, timings)
-        self.log_metrics(step, values, timings)
+        self.log_metrics(row, timings)
 
     # -- the steps ------------------------------------------------------------------------------
     def start_from(self, version: int) -> None:
@@ -234,7 +235,8 @@ class Trainer:
 
         config = self._lora_backend().adapter_config()
         merged = None if self.cfg.publishes_adapters else self._state_dict  # servers load the adapter alone
-        lora.save_checkpoint(self.paths, version, adapter, config, merged, model, tokenizer, dtype)
+        written = lora.AdapterCheckpoint(adapter, config, merged)
+        lora.save_checkpoint(self.paths, version, written, model, tokenizer, dtype)
 
     def publish(self, version: int, checkpoint: Path | None, timings: Timings) -> None:
         t0 = time.perf_counter()
@@ -260,11 +262,10 @@ class Trainer:
         self.publish(version, weights, timings)  # rank 0 publishes (disk: the verifier reads `weights`)
         return timings
 
-    def hold_metrics(
+    def metrics_row(
         self, step: int, data: StepData, advantages: np.ndarray, updates: list[MinibatchStats], timings: Timings
-    ) -> dict[str, float]:
-        """The step's metrics row, kept in `state/` until its publication ends: a trainer stopped after the step's
-        checkpoint is complete resumes after this step and logs the row then."""
+    ) -> StepRow:
+        """The step's metrics row, computed (every rank: the log line; only rank 0 writes it anywhere)."""
         values = step_metrics(
             data,
             advantages,
@@ -275,34 +276,23 @@ class Trainer:
             peak=self.peak,
             version=step + 1,
         )
-        self.hold(step, values)
-        return values
-
-    def hold(self, step: int, values: dict[str, float]) -> None:
-        """Keep (or replace) step `step`'s held row (rank 0)."""
-        if self.rank0:
-            write_json_atomic(self.paths.pending_metrics, {"step": step, "values": values})
+        return StepRow(self.paths, self.sinks, step, values, writes=self.rank0)
 
     def log_held_metrics(self, version: int, timings: Timings) -> None:
-        """At start: log the row of step `version - 1` if its publication was cut short (with the publication
-        this trainer just made of that version); a held row of a step that will be redone is dropped."""
-        if not self.rank0 or not self.paths.pending_metrics.exists():
-            return
-        held = read_json(self.paths.pending_metrics)
-        if held.get("step") == version - 1 and version - 1 not in logged_steps(self.paths):
-            log.info("step %d's metrics were held by a publication that did not end; logged now", version - 1)
-            self.sinks.log(version - 1, {**held["values"], **publish_figures(timings)})
-        self.paths.pending_metrics.unlink(missing_ok=True)
+        """At start: log the row of step `version - 1` if an earlier attempt stopped between its checkpoint and
+        its line (with the publication this trainer just made of that version); drop any other held row."""
+        row = StepRow.left_behind(self.paths, self.sinks, writes=self.rank0)
+        if row is not None:
+            row.settle(version, timings)
 
-    def log_metrics(self, step: int, values: dict[str, float], timings: Timings) -> None:
-        values = {**values, **publish_figures(timings)}
-        self.sinks.log(step, values)
-        if self.rank0:
-            self.paths.pending_metrics.unlink(missing_ok=True)
+    def log_metrics(self, row: StepRow, timings: Timings) -> None:
+        """The row with the publication's figures to the sinks, then its held file removed; a line for people."""
+        values = row.log(timings)
+        row.clear()
         log.info(
             "step %d: loss %.4f reward %.3f grad_norm %.3f kl %.2e mismatch k3 %.2e %.0f tok/s (wait %.1fs "
             "compute %.1fs publish %.1fs)",
-            step,
+            row.step,
             values["loss"],
             values["reward_mean"],
             values["grad_norm"],
@@ -313,18 +303,6 @@ class Trainer:
             timings.compute_s,
             timings.publish_s,
         )
-
-
-def logged_steps(paths: RunPaths) -> set[int]:
-    try:
-        lines = paths.train_metrics.read_text().splitlines()
-    except FileNotFoundError:
-        return set()
-    steps = set()
-    for line in lines:
-        with contextlib.suppress(ValueError, KeyError, TypeError):
-            steps.add(int(json.loads(line)["step"]))
-    return steps
 
 
 def reduce_stats(stats: MinibatchStats) -> MinibatchStats:

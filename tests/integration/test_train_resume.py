@@ -11,11 +11,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from pipeline.run.handoff import read_json
 from pipeline.run.paths import RunPaths
 from pipeline.run.sinks import read_jsonl
 from pipeline.trainer import checkpoint as ckpt
@@ -96,6 +98,86 @@ def test_kill_9_then_resume_equals_uninterrupted_and_step_rerun_is_exact(make_tr
     assert_bitwise_equal(weights(reference, 2), version2)
     assert reference.latest.read_text().strip() == "4"  # a rerun never moves LATEST backwards
     assert [r["step"] for r in read_jsonl(reference.train_metrics)] == [0, 1, 2, 3]
+
+
+class Stopped(RuntimeError):
+    """The trainer's end in the first attempt (a lost node, a failed publication)."""
+
+
+def stop_step_1(monkeypatch: pytest.MonkeyPatch, state: str) -> None:
+    """Make the trainer stop in step 1 once its row is in `state` (`pipeline.trainer.step_row.RowState`)."""
+    from pipeline.trainer.loop import Trainer
+    from pipeline.trainer.step_row import StepRow
+
+    hold, checkpoint, publish, clear = StepRow.hold, Trainer.maybe_checkpoint, Trainer.publish, StepRow.clear
+
+    def before_hold(row: StepRow) -> None:
+        if row.step == 1:
+            raise Stopped(state)
+        hold(row)
+
+    def after_checkpoint(trainer: Trainer, version: int, *args: Any, **kwargs: Any) -> Any:
+        done = checkpoint(trainer, version, *args, **kwargs)
+        if version == 2:
+            raise Stopped(state)
+        return done
+
+    def in_publication(trainer: Trainer, version: int, *args: Any, **kwargs: Any) -> None:
+        if version == 2:
+            raise Stopped(state)
+        publish(trainer, version, *args, **kwargs)
+
+    def before_clear(row: StepRow) -> None:
+        if row.step == 1:
+            raise Stopped(state)
+        clear(row)
+
+    patch = {
+        "computed": (StepRow, "hold", before_hold),
+        "held": (Trainer, "maybe_checkpoint", after_checkpoint),
+        "checkpointed": (Trainer, "publish", in_publication),
+        "logged": (StepRow, "clear", before_clear),
+    }
+    monkeypatch.setattr(*patch[state])
+
+
+@pytest.mark.parametrize("state", ["computed", "held", "checkpointed", "logged"])
+def test_a_trainer_stopped_in_each_state_of_a_row_logs_each_step_once_after_resume(
+    make_train_run, monkeypatch: pytest.MonkeyPatch, state: str
+) -> None:
+    """Stopped in step 1 with its row computed (not held: the resume trains step 1 again), held (checkpoint 2
+    complete: a peer lost at its barrier), checkpointed (in the publication) or logged (before its file is
+    removed): the resume leaves one line per step, and a held row is the one logged."""
+    from pipeline.run.stage import StageContext
+    from pipeline.trainer.loop import run_trainer
+    from pipeline.trainer.metrics import Timings, publish_figures
+
+    paths = make_train_run(
+        steps=[0, 1], overrides=["num_steps=2", "trainer.wait_timeout_s=30", "rollout.max_staleness=10"]
+    )
+    with monkeypatch.context() as stopped:
+        stop_step_1(stopped, state)
+        with pytest.raises(Stopped):
+            run_trainer(StageContext.from_run_dir("train", paths.root))
+    held = read_json(paths.pending_metrics) if paths.pending_metrics.exists() else None
+    assert (held is not None) == (state != "computed") and paths.checkpoint_marker(2).exists() == (state != "computed")
+    if held is not None:
+        assert held["step"] == 1 and (held["values"]["time_checkpoint_s"] > 0) == (state != "held")
+    before = paths.train_metrics.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in before] == ([0, 1] if state == "logged" else [0])
+
+    assert run_trainer(StageContext.from_run_dir("train", paths.root)) == 0
+    after = paths.train_metrics.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in after] == [0, 1] and not paths.pending_metrics.exists()
+    assert after[0] == before[0]
+    if state == "logged":
+        assert after[1] == before[1]
+    elif held is not None:  # logged by the resumed trainer, after its own publication of version 2
+        row, publication = json.loads(after[1]), publish_figures(Timings()).keys()
+        # Not trained again: the held figures, `time_checkpoint_s` included (0 when stopped before the rewrite).
+        assert {k: row[k] for k in held["values"] if k not in publication} == {
+            k: v for k, v in held["values"].items() if k not in publication
+        }
 
 
 def test_resume_point_needs_checkpoint_and_state(tmp_path: Path) -> None:
