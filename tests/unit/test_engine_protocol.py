@@ -16,6 +16,7 @@ from pipeline.engine.client.wire import (
 from pipeline.engine.server.hf.kvbatch import KVBatch
 from pipeline.engine.server.requests import (
     Limits,
+    Produced,
     RequestError,
     expand,
     finish_text,
@@ -171,8 +172,9 @@ def test_response_carries_output_top_logprobs_only_when_asked():
     (plain,) = items(input_ids=[1], return_logprob=True)
     (asked,) = items(input_ids=[1], return_logprob=True, top_logprobs_num=2)
     top = [[(-0.1, 7), (-2.5, 9)], [(-0.3, 8), (-1.4, 7)]]
-    assert "output_top_logprobs" not in response(plain, [7, 8], [-0.1, -0.3], None, 0, Tok())["meta_info"]
-    meta = response(asked, [7, 8], [-0.1, -0.3], None, 0, Tok(), top_logprobs=top, text_in_logprobs=True)["meta_info"]
+    assert "output_top_logprobs" not in response(plain, Produced([7, 8], [-0.1, -0.3], None, 0), Tok())["meta_info"]
+    produced = Produced([7, 8], [-0.1, -0.3], None, 0, top_logprobs=top)
+    meta = response(asked, produced, Tok(), text_in_logprobs=True)["meta_info"]
     assert meta["output_top_logprobs"] == [[[-0.1, 7, "<7>"], [-2.5, 9, "<9>"]], [[-0.3, 8, "<8>"], [-1.4, 7, "<7>"]]]
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import Request
 
 from pipeline.engine.server.backend import EngineBackend, Progress
-from pipeline.engine.server.requests import PromptLogprobs, WorkItem, response, splice_top, top_entries
+from pipeline.engine.server.requests import Produced, PromptLogprobs, WorkItem, response, splice_top, top_entries
 from pipeline.engine.tokens import TopEntry
 
 
@@ -36,19 +36,17 @@ async def complete(backend: EngineBackend, item: WorkItem, text_in_logprobs: boo
             versions += last.versions()
             prompt = prompt or last.prompt
             cached = max(cached, last.cached_tokens)
-    return response(
-        item,
-        ids,
-        logprobs,
-        last.finish,
-        last.weight_version,
-        backend.tokenizer,
+    produced = Produced(
+        output_ids=ids,
+        logprobs=logprobs,
+        finish=last.finish,
+        weight_version=last.weight_version,
         top_logprobs=top,
-        text_in_logprobs=text_in_logprobs,
         prompt_logprobs=prompt,
         versions=versions,
         cached_tokens=cached,
     )
+    return response(item, produced, backend.tokenizer, text_in_logprobs=text_in_logprobs)
 
 
 async def events(backend: EngineBackend, item: WorkItem, text_in_logprobs: bool) -> AsyncIterator[str]:
@@ -95,18 +93,16 @@ class _Chunks:
         self.cached = max(self.cached, event.cached_tokens)
         if not event.new_ids and event.finish is None:
             return None
-        chunk = response(
-            self.item,
-            self.ids,
-            self.logprobs,
-            event.finish,
-            event.weight_version,
-            self.tokenizer,
-            text_in_logprobs=self.text_in_logprobs,
+        produced = Produced(
+            output_ids=self.ids,
+            logprobs=self.logprobs,
+            finish=event.finish,
+            weight_version=event.weight_version,
             prompt_logprobs=self.prompt,
             versions=self.versions,
             cached_tokens=self.cached,
-        )
+        )  # no top logprobs: each position's JSON is encoded once and spliced in below
+        chunk = response(self.item, produced, self.tokenizer, text_in_logprobs=self.text_in_logprobs)
         meta = chunk["meta_info"]
         with_top = meta.pop("output_top_logprobs", None) is not None
         if self.incremental:

@@ -84,7 +84,19 @@ def expand(req: GenerateReqInput, limits: Limits, tokenizer: Any) -> list[WorkIt
         # Like SGLang: the completion is clipped to what fits in the context, not refused.
         max_new = min(sp.max_new_tokens, limits.max_context - len(prompt))
         rids_of = [rid] if sp.n == 1 else [f"{rid}_{j}" for j in range(sp.n)]
-        items.extend(WorkItem(r, prompt, sp, max_new, bool(want_lp), int(top), start, lora) for r in rids_of)
+        items.extend(
+            WorkItem(
+                rid=r,
+                input_ids=prompt,
+                params=sp,
+                max_new_tokens=max_new,
+                return_logprob=bool(want_lp),
+                top_logprobs_num=int(top),
+                logprob_start_len=start,
+                lora=lora,
+            )
+            for r in rids_of
+        )
     if req.stream and len(items) != 1:
         raise RequestError(f"stream=true needs one prompt with n=1; this request expands to {len(items)} completions")
     return items
@@ -162,35 +174,46 @@ def finish_text(text: str, finish: dict[str, Any] | None, params: SamplingParams
     return text
 
 
+@dataclass(frozen=True)
+class Produced:
+    """What one completion has produced so far (cumulative), the content of its `response`."""
+
+    output_ids: list[int]
+    """Every token sampled so far."""
+    logprobs: list[float]
+    """Their log-probs, one per token."""
+    finish: dict[str, Any] | None
+    """SGLang's `finish_reason` once the completion has ended, else None."""
+    weight_version: int
+    """The weights of the latest event (SGLang's `meta_info.weight_version`)."""
+    top_logprobs: list[TopEntry] | None = None
+    """Per output token, its `top_logprobs_num` most likely tokens (sent only when the item asked for them)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """The scored prompt (`item.logprob_start_len` >= 0); None before the engine has scored it."""
+    versions: list[int] | None = None
+    """The weight version of each output token, sent as arl's `meta_info.weight_version_spans`; None: not sent."""
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (SGLang's `meta_info.cached_tokens`)."""
+
+
 def response(
-    item: WorkItem,
-    output_ids: list[int],
-    logprobs: list[float],
-    finish: dict[str, Any] | None,
-    weight_version: int,
-    tokenizer: Any,
-    *,
-    top_logprobs: list[TopEntry] | None = None,
-    text_in_logprobs: bool = False,
-    include_text: bool = True,
-    prompt_logprobs: PromptLogprobs | None = None,
-    versions: list[int] | None = None,
-    cached_tokens: int = 0,
+    item: WorkItem, produced: Produced, tokenizer: Any, *, text_in_logprobs: bool = False, include_text: bool = True
 ) -> dict[str, Any]:
     """SGLang's response object for one completion (cumulative: everything produced so far).
 
-    `prompt_logprobs`: the scored prompt (`item.logprob_start_len` >= 0), in `meta_info.input_token_logprobs`
-    (and `input_top_logprobs` with top logprobs); None before the engine has scored it.
-    `versions`: the weight version of each output token, sent as arl's `meta_info.weight_version_spans`
-    (`version_spans`); SGLang's own `weight_version` is the newest.
+    The scored prompt goes in `meta_info.input_token_logprobs` (and `input_top_logprobs` with top logprobs);
+    the per-token versions in arl's `meta_info.weight_version_spans` (`version_spans`), SGLang's own
+    `weight_version` being the newest.
     """
+    output_ids, logprobs, finish = produced.output_ids, produced.logprobs, produced.finish
+    prompt_logprobs, versions = produced.prompt_logprobs, produced.versions
     meta: dict[str, Any] = {
         "id": item.rid,
         "finish_reason": finish,
         "prompt_tokens": len(item.input_ids),
         "completion_tokens": len(output_ids),
-        "cached_tokens": cached_tokens,
-        "weight_version": str(weight_version),
+        "cached_tokens": produced.cached_tokens,
+        "weight_version": str(produced.weight_version),
     }
     if versions is not None:
         meta["weight_version_spans"] = version_spans(versions)
@@ -211,7 +234,7 @@ def response(
             for lp, tok in zip(logprobs, output_ids, strict=True)
         ]
         if item.top_logprobs_num > 0:
-            meta["output_top_logprobs"] = top_entries(top_logprobs or [], tokenizer, text_in_logprobs)
+            meta["output_top_logprobs"] = top_entries(produced.top_logprobs or [], tokenizer, text_in_logprobs)
     text = None
     if include_text:
         raw = tokenizer.decode(
