@@ -104,14 +104,15 @@ async def evaluate_checkpoint(
 ) -> list[SetResult]:
     """Start an engine on the weights and a proxy before it, evaluate every set in turn, stop both."""
     from pipeline.engine.client import EngineClient
-    from pipeline.engine.inference.servers import start_server, wait_healthy
+    from pipeline.engine.inference.servers import ServerStart, start_server, wait_healthy
     from pipeline.engine.inference.supervise import load_adapter, terminate
     from pipeline.net.addresses import free_port
     from pipeline.proxy.server import ProxyServer
     from pipeline.proxy.services import agent_http_client
 
     attempt = len(list(paths.stage_logs(EVAL_STAGE).glob("server-0.attempt_*.log"))) + 1
-    server = start_server(paths, config, 0, free_port(), model_path, version, attempt, stage=EVAL_STAGE)
+    start = ServerStart(index=0, port=free_port(), model_path=model_path, version=version, attempt=attempt)
+    server = start_server(paths, config, start, stage=EVAL_STAGE)
     try:
         await asyncio.to_thread(wait_healthy, [server], config.inference.startup_timeout_s, threading.Event())
         adapter = server.adapter[0] if server.adapter else None  # a LoRA checkpoint: base + this adapter

@@ -230,7 +230,7 @@ def test_adapter_publication_serves_each_version_as_its_own_adapter(make_train_r
     import httpx
 
     from pipeline.engine.client import EngineClient
-    from pipeline.engine.inference.servers import start_server, wait_healthy
+    from pipeline.engine.inference.servers import ServerStart, start_server, wait_healthy
     from pipeline.engine.inference.supervise import load_adapter, terminate
     from pipeline.net.addresses import free_port
     from pipeline.run.weight_version import AnnouncedAdapter
@@ -267,7 +267,8 @@ def test_adapter_publication_serves_each_version_as_its_own_adapter(make_train_r
     config = StageContext.from_run_dir("train", paths.root).config
     assert pick_weights(paths, config, 3, None) == (str(paths.checkpoint_dir(3)), 3)  # `arl eval --step 3`
     assert pick_weights(paths, config, None, paths.checkpoint_dir(3)) == (str(paths.checkpoint_dir(3).resolve()), 3)
-    fresh = start_server(paths, config, 0, free_port(), str(paths.weights_dir(3)), 3, 1)
+    start = ServerStart(index=0, port=free_port(), model_path=str(paths.weights_dir(3)), version=3, attempt=1)
+    fresh = start_server(paths, config, start)
     try:
         assert fresh.adapter == ("arl-lora-v3", str(paths.checkpoint_dir(3).resolve()))
         wait_healthy([fresh], 120, threading.Event())

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -63,6 +64,22 @@ class ServerDied(ArlError):
     """An inference server process exited while the stage was starting it."""
 
 
+@dataclass(frozen=True)
+class ServerStart:
+    """Which server `start_server` starts, where, and on which weights."""
+
+    index: int
+    """The server's index on this node (its GPUs, its log's name)."""
+    port: int
+    """The port it listens on."""
+    model_path: str
+    """The weights it serves: a model directory, or a LoRA checkpoint (served as the base + that adapter)."""
+    version: int
+    """The weight version of `model_path`."""
+    attempt: int
+    """The stage's attempt (in the log's name)."""
+
+
 def initial_weights(paths: RunPaths, config: ArlConfig) -> tuple[str, int]:
     """(model dir, version) to serve first: the newest complete checkpoint, else the initial model."""
     versions = paths.complete_checkpoints()
@@ -88,7 +105,8 @@ def run_inference(ctx: StageContext, *, stop: threading.Event | None = None) -> 
     retire_orphans(paths, attempt)
     try:
         for index, port in zip(server_indices(config), _ports(config), strict=True):
-            servers.append(start_server(paths, config, index, port, model_path, version, attempt))
+            start = ServerStart(index=index, port=port, model_path=model_path, version=version, attempt=attempt)
+            servers.append(start_server(paths, config, start))
         wait_healthy(servers, config.inference.startup_timeout_s, stop)
         if stop.is_set():  # stopped while starting: nothing was ready, nothing is registered
             log.info("stop requested while the servers were starting: stopping them")
@@ -102,7 +120,8 @@ def run_inference(ctx: StageContext, *, stop: threading.Event | None = None) -> 
 
         def restart(old: RunningServer) -> RunningServer:
             path, weights = initial_weights(paths, config)
-            return start_server(paths, config, old.index, old.port, path, weights, attempt)
+            start = ServerStart(index=old.index, port=old.port, model_path=path, version=weights, attempt=attempt)
+            return start_server(paths, config, start)
 
         supervisor = Supervisor(
             paths,
@@ -137,19 +156,10 @@ def _ports(config: ArlConfig) -> list[int]:
     return ports
 
 
-def start_server(
-    paths: RunPaths,
-    config: ArlConfig,
-    index: int,
-    port: int,
-    model_path: str,
-    version: int,
-    attempt: int,
-    *,
-    stage: str = "inference",
-) -> RunningServer:
-    """Start server `index`'s processes (not waiting for them), logging to `logs/<stage>/server-<index>...`."""
+def start_server(paths: RunPaths, config: ArlConfig, start: ServerStart, *, stage: str = "inference") -> RunningServer:
+    """Start server `start.index`'s processes (not waiting for them), logging to `logs/<stage>/server-<index>...`."""
     inf = config.inference
+    index, port, model_path, version, attempt = start.index, start.port, start.model_path, start.version, start.attempt
     url = f"http://{public_host(inf.host)}:{port}"
     log_path = paths.stage_logs(stage) / f"server-{index}.attempt_{attempt}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -184,7 +194,15 @@ def start_server(
         "started %s server %d on port %d (pids %s, log %s)", inf.backend, index, port, [p.pid for p in procs], log_path
     )
     return RunningServer(
-        f"{socket.gethostname()}-{port}", url, log_path, procs, entry, index, port, logs=handles, adapter=adapter
+        name=f"{socket.gethostname()}-{port}",
+        url=url,
+        log_path=log_path,
+        procs=procs,
+        entry=entry,
+        index=index,
+        port=port,
+        logs=handles,
+        adapter=adapter,
     )
 
 
