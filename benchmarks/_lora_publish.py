@@ -48,8 +48,8 @@ def publication_figures(model_dir: Path, workdir: Path, rank: int = 16) -> dict[
                                                 started_at=time.time()))  # fmt: skip
         for version, mode in ((1, "adapter"), (2, "merged")):
             start = time.perf_counter()
-            lora.save_checkpoint(paths, version, adapter, config, merged if mode == "merged" else None, model_dir,
-                                 None, "float32")  # fmt: skip
+            written = lora.AdapterCheckpoint(adapter, config, merged if mode == "merged" else None)
+            lora.save_checkpoint(paths, version, written, model_dir, None, "float32")
             figures[f"{mode} checkpoint write s"] = time.perf_counter() - start
             options = PublishOptions(verify_model=model_dir, adapter=mode == "adapter")
             publisher = Publisher("disk", paths, 600.0, tied, options)

@@ -193,10 +193,9 @@ def checkpoint_figures(spec: Spec, backend: Any) -> dict[str, Any]:
 
     if spec.rank:
         adapter, config = backend.adapter_state_dict(), backend.adapter_config()
-        write("adapter_checkpoint", 1, lambda v: lora.save_checkpoint(paths, v, adapter, config, None, model_dir,
-                                                                      None, dtype))  # fmt: skip
-        write("merged_checkpoint", 2, lambda v: lora.save_checkpoint(paths, v, adapter, config, state, model_dir,
-                                                                     None, dtype))  # fmt: skip
+        alone, merged = lora.AdapterCheckpoint(adapter, config), lora.AdapterCheckpoint(adapter, config, state)
+        write("adapter_checkpoint", 1, lambda v: lora.save_checkpoint(paths, v, alone, model_dir, None, dtype))
+        write("merged_checkpoint", 2, lambda v: lora.save_checkpoint(paths, v, merged, model_dir, None, dtype))
     else:
         write("full_checkpoint", 1, lambda v: checkpoint.save_checkpoint(paths, v, state, model_dir, None, dtype))
     state_dir = Path(spec.workdir) / f"state-{spec.label.replace(' ', '-')}"

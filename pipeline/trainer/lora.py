@@ -17,6 +17,7 @@ state). `wrap` refuses adapters on anything but linear layers, which is what kee
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -192,12 +193,22 @@ def adapter_config(model: Any, base: Path) -> dict[str, Any]:
     return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
 
 
+@dataclass(frozen=True)
+class AdapterCheckpoint:
+    """What one LoRA checkpoint holds besides the tokenizer (`save_checkpoint`)."""
+
+    weights: dict[str, torch.Tensor]
+    """The adapter's parameters, under the names PEFT saves them by (`adapter_weights`)."""
+    config: dict[str, Any]
+    """PEFT's `adapter_config.json` (`adapter_config`)."""
+    merged: dict[str, torch.Tensor] | None = None
+    """The merged full model's state dict, written under `merged/`; None: the adapter alone (`publish: adapter`)."""
+
+
 def save_checkpoint(
     paths: RunPaths,
     version: int,
-    adapter: dict[str, torch.Tensor],
-    config: dict[str, Any],
-    merged: dict[str, torch.Tensor] | None,
+    checkpoint: AdapterCheckpoint,
     model_dir: Path,
     tokenizer_dir: Path | None,
     dtype: str,
@@ -208,13 +219,12 @@ def save_checkpoint(
 
     def fill(staged: Path) -> None:
         copy_tokenizer(tokenizer_dir or model_dir, staged)
-        (staged / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        save_file(
-            {k: v.contiguous() for k, v in adapter.items()}, str(staged / ADAPTER_WEIGHTS), metadata={"format": "pt"}
-        )
-        if merged is not None:
+        (staged / ADAPTER_CONFIG).write_text(json.dumps(checkpoint.config, indent=2, sort_keys=True) + "\n")
+        weights = {k: v.contiguous() for k, v in checkpoint.weights.items()}
+        save_file(weights, str(staged / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        if checkpoint.merged is not None:
             (staged / MERGED).mkdir()
-            write_hf_model(staged / MERGED, merged, model_dir, tokenizer_dir, dtype)
+            write_hf_model(staged / MERGED, checkpoint.merged, model_dir, tokenizer_dir, dtype)
 
     return publish_checkpoint(paths, version, fill)
 
