@@ -4,6 +4,7 @@ and a null object so callers never branch on "is logging enabled"."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import secrets
@@ -42,6 +43,7 @@ class JsonlSink:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        drop_torn_tail(path)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         record = {"step": step, "time": time.time(), **{k: _jsonable(v) for k, v in values.items()}}
@@ -53,6 +55,29 @@ class JsonlSink:
 
     def close(self) -> None:
         return None
+
+
+def drop_torn_tail(path: Path) -> None:
+    """Cut a last line that has no newline: a writer killed inside its `write` (one writer per file).
+
+    Appending after such a fragment would glue the next line onto it and lose both; the fragment alone
+    cannot be read anyway, and its row is logged again by whoever owns it (the trainer's held row,
+    `pipeline/trainer/step_row.py`)."""
+    try:
+        with open(path, "rb+") as handle:
+            if handle.seek(0, os.SEEK_END) == 0 or (handle.seek(-1, os.SEEK_END) and handle.read(1) == b"\n"):
+                return  # the usual case: read one byte, not the file
+            handle.seek(0)
+            data = handle.read()
+            keep = data.rfind(b"\n") + 1
+            handle.truncate(keep)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except FileNotFoundError:
+        return
+    logging.getLogger("arl.metrics").warning(
+        "%s ended in a line cut mid-write (%d bytes): dropped it before appending", path, len(data) - keep
+    )
 
 
 class TensorBoardSink:

@@ -96,6 +96,8 @@ class Trainer:
                 f"{self.paths.trainer_state_dir(step)} must both be complete (pruned? raise trainer.keep_checkpoints)"
             )
         self.start_from(step)
+        # A row a stopped run left is settled first (no publication of its own here): the redo's row takes the file.
+        self.log_held_metrics(step, Timings())
         self.train_step(step, rerun=True)
 
     def close(self) -> None:
@@ -279,8 +281,8 @@ class Trainer:
         return StepRow(self.paths, self.sinks, step, values, writes=self.rank0)
 
     def log_held_metrics(self, version: int, timings: Timings) -> None:
-        """At start: log the row of step `version - 1` if an earlier attempt stopped between its checkpoint and
-        its line (with the publication this trainer just made of that version); drop any other held row."""
+        """At start: log the row an earlier attempt left between a checkpoint and its line when that step is
+        finished (`StepRow.settle`; with the publication this trainer just made, if any); drop any other."""
         row = StepRow.left_behind(self.paths, self.sinks, writes=self.rank0)
         if row is not None:
             row.settle(version, timings)

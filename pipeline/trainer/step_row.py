@@ -17,6 +17,7 @@ from typing import Any
 from pipeline.run.handoff import read_json, write_json_atomic
 from pipeline.run.paths import RunPaths
 from pipeline.run.sinks import MetricsSink
+from pipeline.trainer.checkpoint import state_complete
 from pipeline.trainer.metrics import Timings, publish_figures
 
 log = logging.getLogger("arl.trainer")
@@ -72,8 +73,10 @@ class StepRow:
     LEFT_BEHIND: that attempt's HELD, CHECKPOINTED or LOGGED) and `settle(version)` logs the row when its step
     is `version - 1` (the checkpoint resumed from is this step's, so no attempt trains it again) and train.jsonl
     has no line of it yet; any other row is of a step that will be trained again. Either way the file is then
-    removed. So a step's row is logged once and never lost, but for a `kill -9` that cuts its line mid-write
-    (the one loss every metrics line risks) and for `--step N` run on a stopped run: its row replaces the file.
+    removed. A `--step N` redo on a stopped run settles the same way first: the row is logged when its step's
+    checkpoint is complete (that step is finished), before the redo's own row takes the file. So a step's row is
+    logged once and never lost; a line a `kill -9` cut mid-write is dropped by the next sink that opens the file
+    (`pipeline/run/sinks.py`), and the row held for it is logged again.
     """
 
     def __init__(self, paths: RunPaths, sink: MetricsSink, step: int, values: dict[str, Any], *, writes: bool) -> None:
@@ -120,7 +123,10 @@ class StepRow:
     def settle(self, version: int, timings: Timings) -> bool:
         """LEFT_BEHIND -> (LOGGED ->) CLEARED, by a trainer resuming from `version` that has just published it
         (`timings`). True when the row was logged now (see the class docstring for when)."""
-        due = self.step == version - 1 and self.step not in logged_steps(self.paths)
+        # Normally the row's step is the one just before the resume point. A `--step N` redo on a stopped run
+        # resumes elsewhere, yet the row's step is finished all the same when its checkpoint is complete.
+        finished = self.step == version - 1 or resumable(self.paths, self.step + 1)
+        due = finished and self.step not in logged_steps(self.paths)
         if due:
             log.info("step %d's metrics were held by a publication that did not end; logged now", self.step)
             self.log(timings)
@@ -139,6 +145,11 @@ class StepRow:
     def _write(self) -> None:
         if self.writes:
             write_json_atomic(self.paths.pending_metrics, {"step": self.step, "values": self.values})
+
+
+def resumable(paths: RunPaths, version: int) -> bool:
+    """A complete checkpoint and trainer state of `version`: a point a resume may start from (`resume_point`)."""
+    return paths.checkpoint_marker(version).exists() and state_complete(paths, version)
 
 
 def logged_steps(paths: RunPaths) -> set[int]:

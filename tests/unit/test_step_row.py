@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from pipeline.run.handoff import read_json, write_json_atomic
-from pipeline.run.paths import RunPaths
+from pipeline.run.paths import COMPLETE, RunPaths
 from pipeline.run.sinks import JsonlSink, NullSink
 from pipeline.trainer.metrics import Timings
 from pipeline.trainer.step_row import RowState, StepRow, logged_steps
@@ -166,3 +166,38 @@ def test_a_line_cut_mid_write_does_not_count_as_logged(tmp_path: Path) -> None:
     train(paths, 0, attempt=1)
     paths.train_metrics.write_text(paths.train_metrics.read_text() + '{"step": 1, "loss": 1')
     assert logged_steps(paths) == {0}
+
+
+def test_a_line_cut_mid_write_is_dropped_and_the_held_row_logged_after_the_good_lines(tmp_path: Path) -> None:
+    """`kill -9` inside step 1's line, its row held and checkpointed: the resumed sink cuts the fragment (gluing
+    the re-logged line onto it lost both) and the resume logs the held row once, after step 0's line."""
+    paths = RunPaths(tmp_path)
+    train(paths, 0, attempt=1)
+    train(paths, 1, attempt=1, stop_in=S.CHECKPOINTED)
+    good = paths.train_metrics.read_text()
+    paths.train_metrics.write_text(good + '{"step": 1, "loss": 1')
+    assert resume(paths, version=2) is True
+    rows = lines(paths)
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[1]["loss"] == values(1, attempt=1)["loss"]
+    assert paths.train_metrics.read_text().startswith(good)
+
+
+@pytest.mark.parametrize("checkpoint_complete", [True, False])
+def test_a_redo_of_an_earlier_step_first_logs_the_row_a_stopped_run_left(
+    tmp_path: Path, checkpoint_complete: bool
+) -> None:
+    """`arl stage train --step 0` on a run stopped after step 1's checkpoint, before its line: step 1 is finished
+    (its checkpoint, version 2, is complete), so the redo logs its row before holding its own; without that
+    checkpoint step 1 will be trained again and its row is dropped."""
+    paths = RunPaths(tmp_path)
+    train(paths, 0, attempt=1)
+    train(paths, 1, attempt=1, stop_in=S.CHECKPOINTED)
+    if checkpoint_complete:
+        for marker in (paths.checkpoint_marker(2), paths.trainer_state_dir(2) / COMPLETE):
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+    row = StepRow.left_behind(paths, JsonlSink(paths.train_metrics), writes=True)
+    assert row is not None and row.settle(0, publication(verify_s=2.0)) is checkpoint_complete
+    train(paths, 0, attempt=2)  # the redo's own row goes through the file after the old one is settled
+    assert [r["step"] for r in lines(paths)] == ([0, 1, 0] if checkpoint_complete else [0, 0])
+    assert not paths.pending_metrics.exists()
