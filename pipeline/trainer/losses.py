@@ -63,6 +63,30 @@ class LossOutput:
     (percentiles); the backend concatenates them over micro-batches into `MinibatchStats.values`."""
 
 
+@dataclass(frozen=True)
+class _Terms:
+    """The per-token terms of one micro-batch's loss, for its diagnostics (`_diagnostics`)."""
+
+    logp: torch.Tensor
+    """Current log-probs (with grad; detached before use)."""
+    prox: torch.Tensor
+    """Proximal log-probs (the behaviour ones when not decoupled)."""
+    behav: torch.Tensor
+    """Behaviour log-probs."""
+    ratio: torch.Tensor
+    """exp(logp - prox)."""
+    pg_unclipped: torch.Tensor
+    """-A * ratio."""
+    pg_clipped: torch.Tensor
+    """-A * clip(ratio)."""
+    imp_weight: torch.Tensor
+    """The corrected behaviour weight (`behaviour_weight`)."""
+    entropy: torch.Tensor | None
+    """Per-token entropy, when computed."""
+    kl_ref: torch.Tensor | None
+    """k3 KL to the reference, when `kl_coef > 0`."""
+
+
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi || ref) from samples of pi: exp(d) - d - 1 with d = ref - logp (>= 0)."""
     d = ref_logp - logp
@@ -160,9 +184,18 @@ def policy_loss(
             raise ValueError("entropy_coef != 0 needs the per-token entropy")
         per_token = per_token - algo.entropy_coef * entropy * keep
     loss = (batch.weights * per_token).sum()
-    result = LossOutput(
-        loss=loss, **_diagnostics(logp, prox, behav, ratio, pg_unclipped, pg_clipped, imp_weight, mask, entropy, kl_ref)
+    terms = _Terms(
+        logp=logp,
+        prox=prox,
+        behav=behav,
+        ratio=ratio,
+        pg_unclipped=pg_unclipped,
+        pg_clipped=pg_clipped,
+        imp_weight=imp_weight,
+        entropy=entropy,
+        kl_ref=kl_ref,
     )
+    result = LossOutput(loss=loss, **_diagnostics(terms, mask))
     if batch.prox_logp is not None:  # decoupled: the behaviour-proximal mismatch (none without a proximal policy)
         _mismatch_diagnostics(result, prox, behav, mask, keep, out)
     return result
@@ -186,34 +219,24 @@ def _mismatch_diagnostics(
         result.per_token[MISMATCH_LOG_RATIO] = log_w[mask > 0]
 
 
-def _diagnostics(
-    logp: torch.Tensor,
-    prox: torch.Tensor,
-    behav: torch.Tensor,
-    ratio: torch.Tensor,
-    pg_unclipped: torch.Tensor,
-    pg_clipped: torch.Tensor,
-    imp_weight: torch.Tensor,
-    mask: torch.Tensor,
-    entropy: torch.Tensor | None,
-    kl_ref: torch.Tensor | None,
-) -> dict[str, dict[str, torch.Tensor]]:
+def _diagnostics(terms: _Terms, mask: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
     """Token sums and maxima of what a person watches during training (all detached)."""
+    behav, imp_weight = terms.behav, terms.imp_weight
     with torch.no_grad():
-        log_r = logp.detach() - behav  # current vs behaviour: the policy's drift since sampling
+        log_r = terms.logp.detach() - behav  # current vs behaviour: the policy's drift since sampling
         sums = {
             "tokens": mask.sum(),
             "kl_behav_k1": (-log_r * mask).sum(),
             "kl_behav_k3": ((torch.exp(log_r) - 1.0 - log_r) * mask).sum(),
-            "clip_frac": ((pg_clipped > pg_unclipped).to(mask.dtype) * mask).sum(),
-            "ratio": (ratio.detach() * mask).sum(),
+            "clip_frac": ((terms.pg_clipped > terms.pg_unclipped).to(mask.dtype) * mask).sum(),
+            "ratio": (terms.ratio.detach() * mask).sum(),
             "imp_weight": (imp_weight * mask).sum(),
-            "prox_behav_diff": ((prox - behav).abs() * mask).sum(),
+            "prox_behav_diff": ((terms.prox - behav).abs() * mask).sum(),
         }
-        if entropy is not None:
-            sums["entropy"] = (entropy.detach() * mask).sum()
-        if kl_ref is not None:
-            sums["kl_ref"] = (kl_ref.detach() * mask).sum()
+        if terms.entropy is not None:
+            sums["entropy"] = (terms.entropy.detach() * mask).sum()
+        if terms.kl_ref is not None:
+            sums["kl_ref"] = (terms.kl_ref.detach() * mask).sum()
         neg_inf = torch.tensor(float("-inf"), dtype=imp_weight.dtype, device=imp_weight.device)
         maxima = {"imp_weight_max": torch.where(mask > 0, imp_weight, neg_inf).max()}
     return {"sums": sums, "maxima": maxima}
