@@ -100,7 +100,15 @@ def make_tiny_model(
     try:
         tokenizer = build_tokenizer(template, vocab_size)
         token_ids = _save_tokenizer(tokenizer, tmp, template, max_position_embeddings)
-        _save_model(tmp, token_ids, num_layers, hidden_size, seed, vocab_size, max_position_embeddings)
+        _save_model(
+            tmp,
+            token_ids,
+            num_layers=num_layers,
+            hidden_size=hidden_size,
+            seed=seed,
+            vocab_size=vocab_size,
+            max_position_embeddings=max_position_embeddings,
+        )
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -257,6 +265,7 @@ def _save_tokenizer(tokenizer: Any, out: Path, template: Template, max_length: i
 def _save_model(
     out: Path,
     token_ids: dict[str, Any],
+    *,
     num_layers: int,
     hidden_size: int,
     seed: int,

@@ -52,6 +52,24 @@ class Where:
     http: Any
 
 
+@dataclass(frozen=True)
+class _SetRuns:
+    """What every run of one set shares."""
+
+    spec: EvalSetConfig
+    """The set."""
+    config: ArlConfig
+    """The run's configuration (the agent's defaults, the export style)."""
+    where: Where
+    """The proxy the sessions go through."""
+    executor: Executor
+    """Runs the set's agent."""
+    sampling: SamplingOverride
+    """The sampling the sessions impose on every call."""
+    version: int
+    """The weight version evaluated."""
+
+
 def set_sampling(spec: EvalSetConfig, config: ArlConfig) -> SamplingOverride:
     return SamplingOverride(
         temperature=spec.effective_temperature(config.rollout.temperature), top_p=spec.top_p, max_tokens=spec.max_tokens
@@ -72,10 +90,11 @@ async def evaluate_set(spec: EvalSetConfig, config: ArlConfig, where: Where, ver
     executor = make_executor(agent, config, where.http)
     sampling = set_sampling(spec, config)
     limit = asyncio.Semaphore(spec.max_concurrency)
+    shared = _SetRuns(spec=spec, config=config, where=where, executor=executor, sampling=sampling, version=version)
 
     async def one(index: int, sample: int) -> tuple[RunResult, list[TrajectoryRow]]:
         async with limit:
-            return await _run(spec, config, where, executor, sampling, rows_in[index], index, sample, version)
+            return await _run(shared, rows_in[index], index, sample)
 
     try:
         async with asyncio.TaskGroup() as group:
@@ -90,20 +109,15 @@ async def evaluate_set(spec: EvalSetConfig, config: ArlConfig, where: Where, ver
 
 
 async def _run(
-    spec: EvalSetConfig,
-    config: ArlConfig,
-    where: Where,
-    executor: Executor,
-    sampling: SamplingOverride,
-    data: dict[str, Any],
-    index: int,
-    sample: int,
-    version: int,
+    shared: _SetRuns, data: dict[str, Any], index: int, sample: int
 ) -> tuple[RunResult, list[TrajectoryRow]]:
+    """Run `sample` of the set's row `index` (`data`): its result, and its exported rows at the evaluated version."""
+    spec, sampling, version = shared.spec, shared.sampling, shared.version
     metadata = {"eval_set": spec.name, "dataset_index": index, "run_index": sample, "version": version}
     temperature = sampling.temperature if sampling.temperature is not None else 1.0
     plan = SessionPlan(f"eval-{spec.name}-v{version}-p{index}", metadata, spec.run_timeout_s, temperature, sampling)
-    report, exported = await drive_session(where.control, where.proxy_url, executor, data, plan, config)
+    where = shared.where
+    report, exported = await drive_session(where.control, where.proxy_url, shared.executor, data, plan, shared.config)
     outcome = report.outcome
     if outcome is None or outcome.rejected or exported is None:
         why = "rejected by the agent" if outcome is not None and outcome.rejected else report.error

@@ -159,17 +159,17 @@ class ProxyPool:
         for index in range(self.proxy.workers):
             port = self.proxy.port + index if self.proxy.port else 0
             spec = WorkerSpec(
-                index,
-                self.model.model_dump(),
-                self.proxy.model_copy(update={"port": port}).model_dump(),
-                self.admin_key,
-                self.engine_urls,
-                self.run_root,
-                self.request_timeout_s,
-                self.events_path,
-                logging.getLogger().level,
-                self.adapters,
-                self.batching,
+                index=index,
+                model=self.model.model_dump(),
+                proxy=self.proxy.model_copy(update={"port": port}).model_dump(),
+                admin_key=self.admin_key,
+                engine_urls=self.engine_urls,
+                run_root=self.run_root,
+                request_timeout_s=self.request_timeout_s,
+                events_path=self.events_path,
+                log_level=logging.getLogger().level,
+                adapters=self.adapters,
+                batching=self.batching,
             )
             parent, child = self.context.Pipe()
             process = self.context.Process(

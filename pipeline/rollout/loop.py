@@ -84,15 +84,15 @@ async def run_rollout(ctx: StageContext) -> list[int]:
     async with open_services(config, paths, name="rollout") as services:
         executors = {name: make_executor(agent, config, services.http) for name, agent in agents.items()}
         rollout = Rollout(
-            config,
-            paths,
-            schedule,
-            executors,
-            services.control,
-            services.proxy_url,
-            services.engine,
-            sink,
-            config.model.tokenizer or config.model.path,
+            config=config,
+            paths=paths,
+            schedule=schedule,
+            executors=executors,
+            control=services.control,
+            proxy_url=services.proxy_url,
+            engine=services.engine,
+            sink=sink,
+            tokenizer=config.model.tokenizer or config.model.path,
         )
         where = Where(services.control, services.proxy_url, services.http)
         evaluation = InRunEvaluation(config, paths, where, services.engine, evaluations) if evaluations else None
