@@ -89,7 +89,22 @@ def check_model(config: ArlConfig, loaded: dict[str, Any] | None = None) -> Outc
                 )
             ],
         )
+    positions = _max_positions(hf_config)
+    if positions is not None and model.max_context > positions:
+        return _fail(
+            "model.max_context",
+            model.max_context,
+            f"the checkpoint has {positions} positions (max_position_embeddings in {path / 'config.json'}): "
+            f"no prompt + completion can be longer; set model.max_context to {positions} or less",
+        )
     return Outcome("", detail=f"{type(hf_config).__name__.removesuffix('Config')}, vocabulary {len(tokenizer)}")
+
+
+def _max_positions(hf_config: Any) -> int | None:
+    """The checkpoint's position limit (a multimodal config keeps it in its text config); None if it names none."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    positions = getattr(text, "max_position_embeddings", None)
+    return positions if isinstance(positions, int) and positions > 0 else None
 
 
 def check_template(config: ArlConfig, loaded: dict[str, Any] | None = None) -> Outcome:

@@ -73,6 +73,7 @@ def test_a_good_config_passes_every_check(workdir: Path) -> None:
     ("override", "key"),
     [
         ("model.path=/nonexistent/model", "model.path='/nonexistent/model': no such directory"),
+        ("model.max_context=4096", "model.max_context=4096: the checkpoint has 2048 positions"),
         ("rollout.agent=/nonexistent/agent.py:Agent", "rollout.agent='/nonexistent/agent.py:Agent':"),
         ("rollout.agent=json:dumps", "rollout.agent='json:dumps':"),
         ("rollout.dataset.path=/nonexistent/data.jsonl", "rollout.dataset.path='/nonexistent/data.jsonl':"),
