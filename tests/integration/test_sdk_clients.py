@@ -154,6 +154,21 @@ async def test_anthropic_sdk_tools_and_streaming(proxy: Any) -> None:
     assert data["prefix_breaks"] == 0 and [r["num_turns"] for r in data["samples"]] == [2]
 
 
+async def test_anthropic_sdk_2_sets_temperature_through_extra_body(proxy: Any) -> None:
+    """The Anthropic SDK 2.x has no `temperature` argument: docs/proxy.md shows `extra_body`, which reaches the
+    proxy's checks (a negative one is refused) and its sampling (0 is greedy: the same answer twice)."""
+    s = await _admin(proxy.url, "/rl/start_session")
+    client = anthropic.AsyncAnthropic(base_url=proxy.url, api_key=s["api_key"])
+    msgs: list[Any] = [{"role": "user", "content": "Count to five."}]
+    with pytest.raises(anthropic.BadRequestError, match="temperature"):
+        await client.messages.create(model="m", max_tokens=8, messages=msgs, extra_body={"temperature": -1})
+    answers = [
+        await client.messages.create(model="m", max_tokens=8, messages=msgs, extra_body={"temperature": 0})
+        for _ in range(2)
+    ]
+    assert answers[0].content == answers[1].content
+
+
 async def test_responses_api_previous_response_id_and_stream(proxy: Any) -> None:
     s = await _admin(proxy.url, "/rl/start_session")
     client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=s["api_key"])
