@@ -89,6 +89,13 @@ class KeyCheck:
         await self.app(scope, receive, send)
 
 
+def note_refusal(request: Request, err: ApiError) -> None:
+    """Keep the error a session's call was answered with on the session (`Session.last_refusal`)."""
+    caller = request.scope.get(_SCOPE_KEY)
+    if caller is not None and caller.session is not None:
+        caller.session.last_refusal = f"{err.status}: {err.message}"
+
+
 def caller_of(request: Request) -> Caller:
     """The caller `KeyCheck` identified for this request (a FastAPI dependency)."""
     caller = request.scope.get(_SCOPE_KEY)

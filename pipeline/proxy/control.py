@@ -73,6 +73,8 @@ class ExportedSession:
     prefix_breaks: int
     first_call_s: float | None = None
     """Seconds from the session's start to its first LLM call (the agent's start-up); None: no call."""
+    last_refusal: str | None = None
+    """The last error the proxy answered one of the session's calls with (`status: message`); None: none."""
 
     def to_json(self) -> dict[str, Any]:
         """The `/export_trajectories` answer (rows in their wire form: every column but `step`)."""
@@ -83,6 +85,7 @@ class ExportedSession:
             "num_interactions": self.num_interactions,
             "prefix_breaks": self.prefix_breaks,
             "first_call_s": self.first_call_s,
+            "last_refusal": self.last_refusal,
         }
 
     @classmethod
@@ -96,6 +99,7 @@ class ExportedSession:
             int(data["num_interactions"]),
             int(data["prefix_breaks"]),
             _optional_float(data.get("first_call_s")),
+            None if data.get("last_refusal") is None else str(data["last_refusal"]),
         )
 
 

@@ -196,10 +196,17 @@ class _TooLarge(Exception):
         self.size = size
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, on_error: Callable[[Request, ApiError], None] | None = None) -> None:
+    """Every error in its API's shape; `on_error` sees each one a route or body check answered (not a key check)."""
+
+    def answer(request: Request, err: ApiError) -> Response:
+        if on_error is not None:
+            on_error(request, err)
+        return error_response(request.url.path, err)
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
-        return error_response(request.url.path, exc)
+        return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
@@ -213,7 +220,7 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             message, param = format_validation_errors(errors)
             err = ApiError(400, message, param=param)
-        return error_response(request.url.path, err)
+        return answer(request, err)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:

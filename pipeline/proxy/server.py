@@ -28,7 +28,7 @@ from pipeline.net.addresses import PeerLog, public_host
 from pipeline.net.apidoc import publish
 from pipeline.proxy import anthropic_messages, openai_chat, openai_responses, rl
 from pipeline.proxy import openapi as doc
-from pipeline.proxy.auth import ROUTE_KEYS, KeyCheck, caller_of, check_routes
+from pipeline.proxy.auth import ROUTE_KEYS, KeyCheck, caller_of, check_routes, note_refusal
 from pipeline.proxy.capacity import Capacity
 from pipeline.proxy.control import RUN_STATUS_HEADER
 from pipeline.proxy.core import Generator
@@ -201,7 +201,7 @@ def build_app(proxy: ProxyServer) -> FastAPI:
         redoc_url=None,
         description="OpenAI/Anthropic-compatible proxy recording exact tokens for RL (docs/proxy.md).",
     )
-    install_error_handlers(app)
+    install_error_handlers(app, note_refusal)
     app.add_middleware(BodyLimit, max_bytes=proxy.config.max_request_bytes)
     # Added last, so it runs first: a request without a valid key learns nothing about bodies or limits.
     app.add_middleware(KeyCheck, store=proxy.store, routes=proxy.route_keys)

@@ -134,6 +134,9 @@ class Session:
     responses: dict[str, Any] = field(default_factory=dict)  # Responses API: response id -> stored chain
     sampling: SamplingOverride | None = None
     """Imposed on every call of the session (an evaluation's decoding), whatever the agent asks."""
+    last_refusal: str | None = None
+    """The last error the proxy answered a call of this session with (`400: ...`): an agent that swallows the
+    exception still leaves its cause here, for the rollout to name when a run made no model call."""
 
     @property
     def api_key(self) -> str:
@@ -374,7 +377,13 @@ class SessionStore:
         except TrajectoryError as exc:
             raise ApiError(400, f"cannot export session {session.id}: {exc}") from None
         exported = ExportedSession(
-            session.id, session.tree.group_id, rows, len(session.tree), session.prefix_breaks, session.first_call_s
+            session.id,
+            session.tree.group_id,
+            rows,
+            len(session.tree),
+            session.prefix_breaks,
+            session.first_call_s,
+            session.last_refusal,
         )
         self.remove(session.id, "exported")
         return exported

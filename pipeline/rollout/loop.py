@@ -45,6 +45,10 @@ class AgentErrorRate(ArlError):
     """More of a step's runs failed than `rollout.max_error_rate` allows."""
 
 
+class NoModelCalls(ArlError):
+    """Every agent run of a step finished without one model call: nothing to train on."""
+
+
 @dataclass
 class Rollout:
     """Everything one step needs; built once by `run_rollout`."""
@@ -162,6 +166,7 @@ async def produce_step(ro: Rollout, step: int) -> None:
     tally.times["time_runs_s"] = time.perf_counter() - started - tally.times["time_wait_weights_s"]
     rows = filter_rows(rows, step, ro.config, tally)
     check_error_rate(tally, cfg.max_error_rate, step)
+    check_model_calls(tally, step)
     written = time.perf_counter()
     publish_step(ro, step, rows, tally)
     stats = tally.summary(rows)
@@ -248,6 +253,7 @@ async def run_session(ro: Rollout, step: int, prompt: Prompt, run_index: int, ta
         samples=len(samples),
         metrics=metrics,
         first_call_s=exported.first_call_s,
+        refusal=exported.last_refusal,
     )
     return [] if rejected else samples
 
@@ -273,6 +279,22 @@ def check_error_rate(tally: StepTally, max_rate: float, step: int) -> None:
             f"step {step}: {tally.agent_errors} of {tally.runs} agent runs failed (error rate {tally.error_rate:.2f} > "
             f"rollout.max_error_rate={max_rate}); the last one:\n{tally.last_traceback}"
         )
+
+
+def check_model_calls(tally: StepTally, step: int) -> None:
+    """Stop before publishing a step no run called the model in: the trainer would only find no samples."""
+    if not tally.runs or tally.no_call < tally.runs:
+        return
+    cause = (
+        f"the proxy refused the last call it saw ({tally.no_call_refusal}), and the agent swallowed the error"
+        if tally.no_call_refusal
+        else "the proxy saw no call at all"
+    )
+    raise NoModelCalls(
+        f"step {step}: {tally.no_call} of {tally.runs} agent runs made no model call, so there is nothing to train "
+        f"on: {cause}. The agent must send its LLM calls to the base_url with the api_key it is given, and let "
+        'its client\'s errors propagate (docs/rollout.md, "Agents")'
+    )
 
 
 def publish_step(ro: Rollout, step: int, rows: list[TrajectoryRow], tally: StepTally) -> None:

@@ -37,6 +37,10 @@ class StepTally:
     """Per run: seconds from its session's start to its first LLM call (the agent's start-up)."""
     times: dict[str, float] = field(default_factory=dict)
     """The step's timeline so far (`time_*_s`: waiting for weights, the runs), set by the rollout loop."""
+    no_call: int = 0
+    """Finished runs that made no LLM call the proxy recorded (rejected ones included)."""
+    no_call_refusal: str | None = None
+    """The last error the proxy answered such a run's call with: the exception its agent may have swallowed."""
     agent_metrics: dict[str, list[float]] = field(default_factory=dict)
     """Per-run metrics the agents returned (`(reward, {name: value})`), by name, of the runs not rejected."""
 
@@ -55,8 +59,12 @@ class StepTally:
         samples: int,
         metrics: dict[str, float] | None = None,
         first_call_s: float | None = None,
+        refusal: str | None = None,
     ) -> None:
         self.runs += 1
+        if num_interactions == 0:
+            self.no_call += 1
+            self.no_call_refusal = refusal or self.no_call_refusal
         if first_call_s is not None:
             self.first_calls.append(first_call_s)
         self.finished += 1

@@ -56,6 +56,12 @@ async def test_both_controls_drive_a_session_to_typed_rows(proxy: Any, http: htt
     await control.grant_capacity(1)
     info = await control.start_session("g", {"index": 3})
     reply = await _chat(http, proxy.url, info.api_key)
+    refused_call = await http.post(
+        f"{proxy.url}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {info.api_key}"},
+        json={"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
+    )
+    assert refused_call.status_code == 400
     with pytest.raises(ProxyAPIError) as unknown:
         await control.set_reward(info.session_id, 1.0, "chatcmpl-nope")
     assert unknown.value.status == 404
@@ -65,6 +71,8 @@ async def test_both_controls_drive_a_session_to_typed_rows(proxy: Any, http: htt
 
     exported = await control.export(info.session_id, style="concat", discount=1.0)
     assert (exported.session_id, exported.group_id, exported.num_interactions) == (info.session_id, "g", 1)
+    assert exported.last_refusal is not None and exported.last_refusal.startswith("400: ")
+    assert "temperature" in exported.last_refusal, "the session keeps what its refused call was told"
     (row,) = exported.rows
     assert isinstance(row, TrajectoryRow) and row.step is None and row.sample_id == reply["id"]
     assert row.reward == 0.5 and row.session_id == info.session_id and '"index": 3' in row.metadata

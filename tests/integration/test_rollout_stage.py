@@ -88,6 +88,26 @@ class AlwaysFails:
         raise KeyError("no such field in " + str(sorted(data)))
 
 
+class NeverCalls:
+    """Returns a reward without calling the model (forgot the client, or called elsewhere)."""
+
+    async def run(self, data, **kwargs):
+        return 1.0
+
+
+class SwallowsItsError:
+    """Its one call is refused (a temperature the proxy rejects) and it swallows the exception."""
+
+    async def run(self, data, base_url, api_key, **kwargs):
+        client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        try:
+            await client.chat.completions.create(model="arl-policy", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, temperature=-1)
+        except Exception:
+            pass
+        return 0.0
+
+
 class SlowAgent:
     async def run(self, data, **kwargs):
         client = AsyncOpenAI(base_url=kwargs["base_url"], api_key=kwargs["api_key"])
@@ -312,6 +332,31 @@ async def test_error_rate_past_the_limit_fails_loudly(tmp_path: Path, tiny_model
     assert "step 0: 4 of 4 agent runs failed" in message and "error rate 1.00" in message
     assert "KeyError" in message and "no such field" in message, "the last traceback is in the error"
     assert paths.complete_steps() == [], "a failed step is not published"
+
+
+@pytest.mark.parametrize(
+    ("agent", "cause"),
+    [
+        ("NeverCalls", "the proxy saw no call at all"),
+        ("SwallowsItsError", "the proxy refused the last call it saw (400: "),
+    ],
+)
+async def test_a_step_whose_agents_never_called_the_model_stops_with_what_to_do(
+    tmp_path: Path, tiny_model_dir: Path, engine_url: str, agent: str, cause: str
+) -> None:
+    """Every run returned a reward without a model call: the rollout stops before publishing (the trainer would die
+    on an empty step), saying how many runs, what the proxy saw, and what the agent must do."""
+    from pipeline.rollout.loop import NoModelCalls, run_rollout
+
+    config, paths = make_run(tmp_path, tiny_model_dir, engine_url, agent)
+    with pytest.raises(NoModelCalls) as info:
+        await run_rollout(StageContext("rollout", paths, config))
+    message = str(info.value)
+    assert message.startswith("step 0: 4 of 4 agent runs made no model call, so there is nothing to train on")
+    assert cause in message and "base_url with the api_key it is given" in message
+    if agent == "SwallowsItsError":
+        assert "temperature" in message, "the refused call's reason is named"
+    assert paths.complete_steps() == [], "nothing is published"
 
 
 async def test_two_tasks_keep_their_agents_groups_and_figures_apart(tmp_path: Path, tiny_model_dir: Path,
