@@ -145,7 +145,7 @@ def supervise(running: list[Running], paths: RunPaths, console: Console, *, poll
                     f"[red]stage {r.plan.stage} failed ({describe_exit(code)}); see its log: {r.record.log}[/red]",
                     soft_wrap=True,
                 )
-                _print_tail(console, Path(r.record.log))
+                print_log_tail(console, Path(r.record.log))
                 return 1
             if r.plan.stage == "train":
                 console.print("trainer finished: stopping the other stages")
@@ -213,12 +213,21 @@ def _create_time(pid: int) -> float | None:
         return None
 
 
-def _print_tail(console: Console, log: Path, lines: int = 15) -> None:
+def print_log_tail(console: Console, log: Path, lines: int = 15) -> None:
+    """The end of a failed stage's log, headline first: from the CLI's last `error: ` line when there is one (an
+    error's message, often followed by the traceback it carries), else the last `lines` lines."""
     try:
-        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        text = log.read_text(errors="replace").splitlines()
     except OSError:
         return
-    for line in tail:
+    starts = [i for i, line in enumerate(text) if line.startswith("error: ")]
+    shown = text[-lines:]
+    if starts and len(text) - starts[-1] > lines:  # the headline, a marker, then the end of what follows it
+        skipped = len(text) - starts[-1] - 1 - (lines - 2)
+        shown = [text[starts[-1]], f"... ({skipped} lines; the whole log: {log})", *text[-(lines - 2) :]]
+    elif starts:
+        shown = text[starts[-1] :]
+    for line in shown:
         console.print(f"    {line}", markup=False, highlight=False, soft_wrap=True)
 
 
