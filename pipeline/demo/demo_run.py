@@ -33,6 +33,7 @@ from rich.live import Live
 from rich.table import Table
 
 from pipeline.errors import ArlError
+from pipeline.launch.rundir import resume_command
 from pipeline.run.console import people_console
 from pipeline.run.paths import RunPaths
 from pipeline.run.progress import StepFeed, StepRecord, step_line, step_table
@@ -109,7 +110,11 @@ def run_demo(
     code = _launch_and_watch(overrides, paths, steps)
     elapsed = time.monotonic() - started
     summarize(paths, elapsed)
-    if code != 0:
+    if code == 130:  # Ctrl-C or `arl stop`: a deliberate stop, not a failure
+        console.print(
+            f"the run was stopped; continue it with: {resume_command(paths, 'local')}", markup=False, highlight=False
+        )
+    elif code != 0:
         console.print(f"[red]the run failed (exit {code}); logs under {paths.logs}[/]")
     return code
 

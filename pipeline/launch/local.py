@@ -27,6 +27,7 @@ from typing import IO, Any
 from rich.console import Console
 
 from pipeline.launch.plan import StagePlan
+from pipeline.launch.rundir import resume_command
 from pipeline.run.console import people_console
 from pipeline.run.jobs import JobRecord, add_record, read_jobs, update_record
 from pipeline.run.paths import RunPaths
@@ -69,6 +70,7 @@ def run_local(
             return supervise(running, paths, console)
         except (KeyboardInterrupt, StopRequested):
             console.print("[yellow]interrupted: stopping every stage[/yellow]")
+            console.print(f"continue the run with: {resume_command(paths, 'local')}", markup=False, highlight=False)
             return 130
         finally:
             stop_stages(running, paths, grace_s=grace_s)
@@ -138,6 +140,7 @@ def supervise(running: list[Running], paths: RunPaths, console: Console, *, poll
             _reap(r, paths, code, stopped=False)
             if r.record.stopped:
                 console.print(f"stage {r.plan.stage} was stopped (`arl stop`): stopping the other stages")
+                console.print(f"continue the run with: {resume_command(paths, 'local')}", markup=False, highlight=False)
                 return 130
             _print_steps(feed, console)
             if code != 0:

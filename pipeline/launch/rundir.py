@@ -56,6 +56,12 @@ RESUMABLE = (
 """Config keys (and sub-trees) a resumed run may change: none of them changes what is computed."""
 
 
+def resume_command(paths: RunPaths, executor: str) -> str:
+    """How to continue a stopped run: its frozen config (relative paths in it resolve from the launch directory,
+    and the demo's are absolute), `--resume`, and the executor it ran under."""
+    return f"arl launch {paths.config} --resume" + (" --executor local" if executor == "local" else "")
+
+
 def prepare_run_dir(
     config_path: Path, overrides: list[str], *, resume: bool, clean: bool
 ) -> tuple[ArlConfig, RunPaths]:

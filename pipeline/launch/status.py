@@ -19,6 +19,7 @@ from rich.table import Table
 
 from pipeline.errors import ArlError, SchemaError
 from pipeline.eval.results import evaluation_lines
+from pipeline.launch.rundir import resume_command
 from pipeline.run.console import fit_columns, people_console, table_width
 from pipeline.run.job_state import JobState, pid_is_ours, record_states, unhealthy_nodes
 from pipeline.run.jobs import JobRecord, latest, read_jobs, update_record
@@ -126,6 +127,8 @@ def stop_run(run_dir: str | Path, *, grace_s: float = 10.0, console: Console | N
     for r in live:
         what = f"job {r.job_id}" if r.executor == "slurm" else f"pid {r.pid}"
         console.print(f"stopped {r.stage} ({what}, attempt {r.attempt})")
+    executor = "local" if all(r.executor == "local" for r in live) else "slurm"
+    console.print(f"continue the run with: {resume_command(paths, executor)}", markup=False, highlight=False)
     return 0
 
 

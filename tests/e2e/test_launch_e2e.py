@@ -197,6 +197,8 @@ def test_ctrl_c_stops_every_stage(workdir: Path) -> None:
             launcher.kill()
             _kill_recorded_stages(workdir)
     assert launcher.returncode == 130, out
+    resume = f"continue the run with: arl launch {run_dir(workdir) / 'config.yaml'} --resume --executor local"
+    assert resume in " ".join(out.split()), "a deliberate stop says how to go on"
     assert {f"{s}.1.sigterm" for s in ("inference", "rollout", "train")} <= markers(workdir)
     for entries in jobs(workdir).values():
         assert entries[0]["stopped"] and not pid_alive(entries[0]["pid"])
@@ -213,11 +215,12 @@ def test_status_and_stop_of_a_local_run(workdir: Path) -> None:
         assert "RUNNING" in status.stdout and f"pid {train_pid}" in status.stdout
         stop = arl(workdir, "stop", str(run_dir(workdir)))
         assert stop.returncode == 0 and f"stopped train (pid {train_pid}" in stop.stdout
+        assert "--resume --executor local" in " ".join(stop.stdout.split()), "arl stop says how to continue"
         out, _ = launcher.communicate(timeout=60)
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    assert launcher.returncode == 130 and "was stopped" in out
+    assert launcher.returncode == 130 and "was stopped" in out and "continue the run with: arl launch" in out
     assert not any(pid_alive(e[0]["pid"]) for e in jobs(workdir).values())
     assert "nothing to stop" in arl(workdir, "stop", str(run_dir(workdir))).stdout
 
