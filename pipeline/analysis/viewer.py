@@ -161,6 +161,7 @@ def sample_data(row: dict[str, Any], index: int, decoder: Decoder, replay: dict[
         "tl": None,
     }
     out["marks"], out["headers"] = find_marks(texts) if texts is not None else ([], [])
+    out["calls"] = tool_calls(metadata, out["marks"], out["m"])
     if replay:
         out["d"] = [_num(abs(replay[p][0])) if p in replay else None for p in range(len(ids))]
         out["tl"] = [_num(replay[p][1]) if p in replay else None for p in range(len(ids))]
@@ -192,6 +193,15 @@ def token_texts(decoder: Decoder, ids: list[int]) -> list[str] | None:
         out.extend([""] * (end - i - 1) + [text])
         i = end
     return out
+
+
+def tool_calls(metadata: dict[str, Any], marks: list[list[Any]], mask: str) -> int:
+    """The sample's tool calls: the ones the proxy's parser accepted (`parsed_tool_calls`). Shards written before
+    that count existed: the call markup that starts on a sampled token (the chat template's own instructions in
+    the prompt are not calls)."""
+    if "parsed_tool_calls" in metadata:
+        return int(metadata["parsed_tool_calls"])
+    return sum(1 for first, _, kind in marks if kind == "call" and mask[first] == "1")
 
 
 def find_marks(texts: list[str]) -> tuple[list[list[Any]], list[list[Any]]]:

@@ -293,6 +293,8 @@ class Generator:
             finish = "tool_calls" if out.parsed.tool_calls else "stop"
         response = assistant_message(out.parsed)
         metadata: dict[str, Any] = {"api": spec.api}
+        if out.parsed.tool_calls:  # what the parser accepted: markup in a prompt or a rejected call is not a call
+            metadata["parsed_tool_calls"] = len(out.parsed.tool_calls)
         if prep.break_reason:
             metadata["prefix_break_reason"] = prep.break_reason
         if prep.prefill:

@@ -239,6 +239,9 @@ class SessionTree:
             metadata.update(node.metadata)
         metadata["interaction_ids"] = [node.id for node in segment]
         metadata["prefix_break"] = self.is_break(first)
+        # The merge kept the last turn's count: the row's is its turns' sum (0 when none, so that readers can
+        # tell "no call" from a shard written before the count existed).
+        metadata["parsed_tool_calls"] = sum(int(node.metadata.get("parsed_tool_calls", 0)) for node in segment)
         return TrajectoryRow(
             step=step,
             session_id=self.session_id,

@@ -40,7 +40,10 @@ def session(tokenizer: Any, sid: str, task: str, reward: float) -> SessionTree:
     swap = sid == "s1"
     turns = [(iid, prompt, out, [lp] * len(out), [3] * 2 + [3 + (swap and iid == "b")] * (len(out) - 2))
              for iid, prompt, out, lp in (("a", p1, o1, -0.1), ("b", [*p1, *o1, *suffix], o2, -4.0))]  # fmt: skip
-    return chained_session(sid, f"g-{task}", {"task": task}, reward, turns)
+    tree = chained_session(sid, f"g-{task}", {"task": task}, reward, turns)
+    if sid != "s3":  # s3's call markup is what a parser would reject: sampled, but not a call
+        tree.get(f"{sid}-a").metadata["parsed_tool_calls"] = 1
+    return tree
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +98,7 @@ def test_the_page_in_a_browser(page_path: Path, browser: Any) -> None:
     requests: list[str] = []
     page.on("request", lambda request: requests.append(request.url))
     page.goto(page_path.as_uri())
-    page.wait_for_selector(".card[data-drawn] .tok")
+    page.wait_for_selector(".card[data-drawn] .tok.s")  # the system turn's tokens start collapsed (hidden)
     page.wait_for_function("document.querySelectorAll('.card[data-drawn]').length === 4")
     assert errors == [] and requests == [page_path.as_uri()]  # self-contained: nothing else is fetched
 
@@ -105,6 +108,15 @@ def test_the_page_in_a_browser(page_path: Path, browser: Any) -> None:
     for kind in ("think", "call", "resp"):  # found in the chat template's text, on the tokens inside the markup
         assert page.locator(f"{first} .tok.k-{kind}").count() > 0, kind
     assert "It is sunny." in page.text_content(first) and page.locator(f"{first} .turn.assistant").count() == 2
+    pills = page.locator(f"{first} .pill.call")
+    assert pills.count() == 1 and pills.text_content() == "1 tool call(s)"
+    assert page.locator(".card[data-i='3'] .pill.call").count() == 0, "rejected markup is not a tool call"
+    # The template's system turn starts collapsed, so the conversation's turns come first; one click opens it.
+    system = page.locator(f"{first} details.sys")
+    assert system.count() == 1 and not system.evaluate("d => d.open")
+    assert not page.is_visible(f"{first} details.sys .tok") and page.is_visible(f"{first} .turn.user")
+    page.click(f"{first} details.sys > summary")
+    assert system.evaluate("d => d.open") and page.is_visible(f"{first} details.sys .tok")
     # Only s1's reply changed weights inside the turn; every sample changes 3 -> 4 nowhere else.
     assert page.locator("main .vswap").count() == 1 and page.text_content(".card[data-i='1'] .vswap") == "v3→v4"
 
@@ -134,6 +146,8 @@ def test_the_page_in_a_browser(page_path: Path, browser: Any) -> None:
     page.fill("#q", "")
     page.select_option("#has", "swap")
     assert page.text_content("#count") == "1 of 4 samples"
+    page.select_option("#has", "call")  # parsed calls only: s3's rejected markup does not count
+    assert page.text_content("#count") == "3 of 4 samples" and not page.is_visible(".card[data-i='3']")
     page.select_option("#has", "")
     page.fill("#lmax", "1")
     assert page.text_content("#count") == "0 of 4 samples"

@@ -224,3 +224,34 @@ def test_export_refuses_unknown_style_and_bad_discount() -> None:
         tree.export("flat", 1.0, step=0)  # type: ignore[arg-type]
     with pytest.raises(TrajectoryError, match="discount"):
         tree.propagate_rewards(1.5)
+
+
+def test_a_rows_tool_calls_are_the_sum_of_its_turns_parsed_calls() -> None:
+    """The proxy notes each turn's parsed calls; a concat row holds its turns' sum, an individual row its own; a
+    row without any counts 0 (the viewer counts these, not markup)."""
+    tree = SessionTree("s1", "g1", metadata={"index": 7})
+    a = make("A", [1, 2, 3], [10, 11], metadata={"parsed_tool_calls": 2})
+    b = make("B", [*a.full_ids, 4, 5], [12], "A")
+    c = make("C", [*b.full_ids, 6], [13, 14, 15], "B", metadata={"parsed_tool_calls": 1})
+    for node in (a, b, c):
+        tree.add(node)
+    (row,) = tree.export("concat", 1.0)
+    assert json.loads(row.metadata)["parsed_tool_calls"] == 3
+    counts = [json.loads(r.metadata).get("parsed_tool_calls") for r in tree.export("individual", 1.0)]
+    assert counts == [2, 0, 1]
+
+
+def test_the_viewer_counts_parsed_calls_or_sampled_call_markup() -> None:
+    from pipeline.analysis.viewer import find_marks, tool_calls
+
+    texts = [
+        "<|im_start|>system\nCall tools as <tool_call>...</tool_call>",
+        "<|im_end|>",
+        "<tool_call>",
+        "{}",
+        "</tool_call>",
+    ]
+    marks, _ = find_marks(texts)
+    mask = "00111"  # the instructions are prompt tokens: not a call
+    assert tool_calls({}, marks, mask) == 1
+    assert tool_calls({"parsed_tool_calls": 0}, marks, mask) == 0, "the parser rejected the sampled markup"
