@@ -80,9 +80,13 @@ class Column:
     """0 is always shown; on a narrow terminal the highest number is dropped first."""
 
 
+EXACT = "agent/exact_correct"
+"""The agent metric a task's headline is (the demo's: the reply is exactly right), shown when agents report it."""
+
 COLUMNS = (
     Column("step", lambda r: r.step, "d", 0),
     Column("reward", lambda r: r.reward, ".3f", 1),
+    Column("exact", lambda r: r.number("rollout", EXACT), ".3f", 1),
     Column("reward std", lambda r: r.number("rollout", "reward_std"), ".3f", 6),
     Column("length", lambda r: r.number("rollout", "sample_len_mean"), ".1f", 3),
     Column("sampled", lambda r: r.sampled_per_sample, ".1f", 7),
@@ -93,7 +97,8 @@ COLUMNS = (
 )
 """`length`: tokens per sample (prompt and completion); `sampled`: completion tokens per sample;
 `staleness`: step minus the weight version each sample's oldest token came from, averaged;
-`version`: the weight version the step was trained into."""
+`exact`: the share of runs whose agent reported `exact_correct` (the demo's agents do); `version`: the weight
+version the step was trained into."""
 
 
 def cell(column: Column, record: StepRecord) -> str:
@@ -111,6 +116,8 @@ def step_line(record: StepRecord) -> str:
     reward, std = record.reward, record.number("rollout", "reward_std")
     if reward is not None:
         parts.append(f"reward {reward:.3f}" + (f" (std {std:.3f})" if std is not None else ""))
+    if (exact := record.number("rollout", EXACT)) is not None:
+        parts.append(f"exact-correct {exact:.3f}")
     length, sampled = record.number("rollout", "sample_len_mean"), record.sampled_per_sample
     if length is not None:
         parts.append(f"length {length:.1f} tokens" + (f" ({sampled:.1f} sampled)" if sampled is not None else ""))
