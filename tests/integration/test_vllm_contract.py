@@ -23,6 +23,7 @@ import re
 import shutil
 import subprocess
 import tomllib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,17 +68,40 @@ pytestmark = [
 
 
 # -- the judge ----------------------------------------------------------------------------------------
-def judge(mode: str, spec: ProcSpec, stdin: Any = None) -> dict[str, Any]:
-    """One judge run over the vLLM command line of `spec`, with the environment arl starts vLLM with."""
-    argv = spec.argv
-    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"], argv
-    inherited = {k: v for k, v in os.environ.items() if k != "VLLM_SERVER_DEV_MODE"}  # the spec says it or not
-    env = {**inherited, **spec.env}  # as the inference stage starts it
-    done = subprocess.run([str(VLLM_PYTHON), "-W", "ignore", str(JUDGE), mode, "--", *argv[3:]], env=env,
-                          input=None if stdin is None else json.dumps(stdin), capture_output=True, text=True,
-                          timeout=300, check=False)  # fmt: skip
-    assert done.returncode == 0, f"judge {mode} exited {done.returncode}:\n{done.stderr[-4000:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1])  # vLLM logs to stdout too: the answer is last
+Judge = Callable[..., dict[str, Any]]
+RUN_TIME_ENV = ("VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+"""Set or not per command line by arl (`_vllm_env`); vLLM reads them when called, so one judge serves both."""
+
+
+@pytest.fixture(scope="module")
+def judge(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Judge]:
+    """`judge(mode, spec, stdin=None)`: one judgement over the vLLM command line of `spec`, with the environment arl
+    starts vLLM with. One `vllm_judge.py serve` process answers them all: it imports vLLM once and runs each
+    judgement in a fork of itself (a one-shot run per judgement paid vLLM's ~7 s import each time)."""
+    base = {k: v for k, v in vllm_spec(model_dir).env.items() if k not in RUN_TIME_ENV}
+    inherited = {k: v for k, v in os.environ.items() if k not in RUN_TIME_ENV}  # the spec says them or not
+    log = tmp_path_factory.mktemp("vllm_judge") / "judge.log"
+    with log.open("w") as stderr:
+        server = subprocess.Popen([str(VLLM_PYTHON), "-W", "ignore", str(JUDGE), "serve"], text=True, stderr=stderr,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**inherited, **base})  # fmt: skip
+    assert server.stdin is not None and server.stdout is not None
+
+    def ask(mode: str, spec: ProcSpec, stdin: Any = None) -> dict[str, Any]:
+        argv = spec.argv
+        assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"], argv
+        env = {**inherited, **spec.env}  # as the inference stage starts it
+        assert server.stdin is not None and server.stdout is not None
+        server.stdin.write(json.dumps({"mode": mode, "argv": argv[3:], "env": env, "stdin": stdin}) + "\n")
+        server.stdin.flush()
+        line = server.stdout.readline()
+        assert line, f"judge {mode}: the judge exited {server.poll()}:\n{log.read_text()[-4000:]}"
+        answer: dict[str, Any] = json.loads(line)
+        assert "judge_error" not in answer, f"judge {mode}: {answer['judge_error']}\n{log.read_text()[-4000:]}"
+        return answer
+
+    yield ask
+    server.stdin.close()
+    server.wait(timeout=60)
 
 
 def vllm_spec(model_dir: Path, *overrides: str, lora: LoraConfig | None = None) -> ProcSpec:
@@ -114,7 +138,7 @@ def supported_range() -> Requirement:
     return requirement
 
 
-def test_the_judged_vllm_is_inside_the_supported_range(model_dir: Path) -> None:
+def test_the_judged_vllm_is_inside_the_supported_range(model_dir: Path, judge: Judge) -> None:
     answer = judge("parse-args", vllm_spec(model_dir))
     requirement = supported_range()
     assert requirement.specifier.contains(answer["version"], prereleases=True), (
@@ -144,7 +168,7 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_vllm_parses_and_configures_arls_command_line(model_dir: Path, name: str) -> None:
+def test_vllm_parses_and_configures_arls_command_line(model_dir: Path, judge: Judge, name: str) -> None:
     overrides = CONFIGS[name]
     config = load_config(None, [f"model.path={model_dir}", "inference.backend=vllm", *overrides])
     answer = judge("parse-args", vllm_spec(model_dir, *overrides))
@@ -166,7 +190,7 @@ def test_vllm_parses_and_configures_arls_command_line(model_dir: Path, name: str
         assert resolved["dtype"] == config.model.dtype
 
 
-def test_vllm_takes_arls_lora_flags(model_dir: Path) -> None:
+def test_vllm_takes_arls_lora_flags(model_dir: Path, judge: Judge) -> None:
     """A run that publishes adapters: vLLM resolves arl's LoRA flags to the rank (rounded up to one vLLM takes, from
     vLLM's own list: its parser refuses any other, e.g. 12) and two adapters in a batch."""
     rank = 100
@@ -179,13 +203,13 @@ def test_vllm_takes_arls_lora_flags(model_dir: Path) -> None:
     assert lora["dtype"] == "float32"  # the adapters run in the model's dtype (PEFT's fp32 on CPU)
 
 
-def test_vllm_refuses_a_flag_it_does_not_know(model_dir: Path) -> None:
+def test_vllm_refuses_a_flag_it_does_not_know(model_dir: Path, judge: Judge) -> None:
     """The parse check is real: a typo in `inference.extra_args` is refused by vLLM's parser."""
     answer = judge("parse-args", vllm_spec(model_dir, "inference.extra_args=[--tensor-paralel-size=2]"))
     assert not answer["ok"] and answer["stage"] == "parse", answer
 
 
-def test_vllm_checks_the_parallel_config_against_the_model(model_dir: Path) -> None:
+def test_vllm_checks_the_parallel_config_against_the_model(model_dir: Path, judge: Judge) -> None:
     """The config check is real: vLLM refuses a tensor-parallel size that does not divide the heads (4 here)."""
     answer = judge("parse-args", vllm_spec(model_dir, "inference.tp_size=8"))
     assert not answer["ok"] and answer["stage"] == "config", answer
@@ -201,7 +225,7 @@ def adapter_calls() -> set[tuple[str, str]]:
     return calls
 
 
-def test_every_route_the_adapter_calls_is_in_vllms_route_table(model_dir: Path) -> None:
+def test_every_route_the_adapter_calls_is_in_vllms_route_table(model_dir: Path, judge: Judge) -> None:
     calls = adapter_calls()
     assert calls == {("POST", "/v1/completions"), ("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache"),
                      ("GET", "/health"), ("POST", "/pause"), ("POST", "/resume"), ("POST", "/abort_requests"),
@@ -248,7 +272,7 @@ REQUESTS: list[dict[str, Any]] = [
 ]  # fmt: skip
 
 
-def test_vllm_turns_arls_bodies_into_the_sampling_arl_asked_for(model_dir: Path) -> None:
+def test_vllm_turns_arls_bodies_into_the_sampling_arl_asked_for(model_dir: Path, judge: Judge) -> None:
     adapter = VLLMAdapter(AdapterConfig(upstream="http://127.0.0.1:9", model_path=str(model_dir),
                                         served_model_name=SERVED, max_context=MAX_CONTEXT))  # fmt: skip
     cases = []
@@ -294,7 +318,7 @@ def test_vllm_turns_arls_bodies_into_the_sampling_arl_asked_for(model_dir: Path)
             assert (got["top_p"], got["min_p"]) == (params.top_p, params.min_p), where
 
 
-def test_vllm_refuses_what_arl_never_sends(model_dir: Path) -> None:
+def test_vllm_refuses_what_arl_never_sends(model_dir: Path, judge: Judge) -> None:
     """The body check is real: vLLM's own validation refuses bad bodies at the stage that owns them."""
     good = {"model": SERVED, "prompt": [11, 12], "max_tokens": 4, "logprobs": 0, "return_tokens_as_token_ids": True}
     bad = [

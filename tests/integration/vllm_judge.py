@@ -8,6 +8,11 @@ tests (`tests/integration/test_vllm_contract.py`) run it as a subprocess, one JS
     python vllm_judge.py routes -- ARGV...         the route table of vLLM's app for that command line
     python vllm_judge.py check-bodies -- ARGV...   `/v1/completions` bodies (a JSON list on stdin) through
                                                    vLLM's request handling for that command line
+    python vllm_judge.py serve                     many judgements: one JSON job per stdin line
+                                                   ({"mode", "argv", "env", "stdin"}), one JSON answer per
+                                                   stdout line; vLLM is imported once (~7 s on 2 cores) and
+                                                   each job runs in a fork of that process, with the job's
+                                                   environment, so no job sees another's state
 
 What is vLLM's own code, unchanged:
 
@@ -41,6 +46,7 @@ import asyncio
 import contextlib
 import io
 import json
+import os
 import sys
 from typing import Any
 
@@ -56,15 +62,65 @@ _REPORTED_SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "st
 def main(argv: list[str]) -> int:
     own, vllm_argv = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("mode", choices=["parse-args", "routes", "check-bodies"])
+    parser.add_argument("mode", choices=["parse-args", "routes", "check-bodies", "serve"])
     args = parser.parse_args(own)
-    if args.mode == "parse-args":
-        answer = parse_args(vllm_argv)
-    elif args.mode == "routes":
-        answer = route_table(vllm_argv)
-    else:
-        answer = check_bodies(vllm_argv, json.load(sys.stdin))
+    if args.mode == "serve":
+        return serve()
+    answer = judge(args.mode, vllm_argv, json.load(sys.stdin) if args.mode == "check-bodies" else None)
     print(json.dumps(answer))
+    return 0
+
+
+def judge(mode: str, vllm_argv: list[str], stdin: Any) -> dict[str, Any]:
+    if mode == "parse-args":
+        return parse_args(vllm_argv)
+    if mode == "routes":
+        return route_table(vllm_argv)
+    return check_bodies(vllm_argv, stdin)
+
+
+_JUDGE_MODULES = ("vllm.entrypoints.launchers.app", "vllm.entrypoints.launchers.cli_args", "vllm.utils.argparse_utils",
+                  "vllm.engine.arg_utils", "vllm.usage.usage_lib", "vllm.config.lora", "vllm.v1.worker.cpu_worker",
+                  "vllm.v1.worker.gpu_worker", "vllm.v1.worker.worker_base",
+                  "vllm.entrypoints.openai.completion.protocol", "vllm.renderers.online_renderer",
+                  "vllm.renderers.registry", "vllm.v1.engine.input_processor", "vllm.entrypoints.serve.engine.protocol",
+                  "vllm.entrypoints.serve.utils.api_utils")  # fmt: skip
+"""What the judgements import, imported once by `serve` before it forks."""
+
+
+def serve() -> int:
+    """Answer the jobs on stdin, each in a fork of this process taken after vLLM's import: the child sets the
+    job's environment (vLLM reads its VLLM_* variables when called, not at import) and runs the same function
+    as a one-shot run. Answers go out on the original stdout; everything vLLM prints goes to stderr."""
+    import importlib
+
+    for module in _JUDGE_MODULES:  # the imports are what costs; each fork inherits them
+        importlib.import_module(module)
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    for line in sys.stdin:
+        job = json.loads(line)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the job
+            os.close(read)
+            try:
+                os.environ.clear()
+                os.environ.update(job["env"])
+                payload = json.dumps(judge(job["mode"], job["argv"], job.get("stdin")))
+            except BaseException as exc:  # reported to the test, which fails with it
+                payload = json.dumps({"judge_error": f"{type(exc).__name__}: {exc}"})
+            with os.fdopen(write, "w") as out:
+                out.write(payload)
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as result:
+            payload = result.read()
+        _, status = os.waitpid(pid, 0)
+        if not payload:
+            payload = json.dumps({"judge_error": f"the job's process ended with status {status} and no answer"})
+        answers.write(payload + "\n")
+        answers.flush()
     return 0
 
 
