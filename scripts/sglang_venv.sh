@@ -4,7 +4,9 @@
 # kernels are CUDA-only), but its command-line parser, HTTP app, tokenizer and detokenizer managers and
 # request/response code run on CPU; tests/integration/sglang_judge.py serves them.
 # Measured on the 2-core dev machine (2026-11-25): ~1m10s with an empty pip cache, 2.5 GB (triton 1.0 GB,
-# torch 0.75 GB, sglang 0.22 GB). Idempotent: an existing, working venv is kept (a second run takes ~20 s: the import probe).
+# torch 0.75 GB, sglang 0.22 GB); 1m23s on 2026-11-29 with the machine busy. Built once per machine under
+# ~/.cache/arl/venvs and linked as .sglang-venv (scripts/venv_cache.sh), so a fresh clone reuses it; an
+# existing, working venv is kept (a second run takes ~20 s: the import probe).
 #
 #   scripts/sglang_venv.sh [VENV_DIR]      (default: .sglang-venv at the repository root)
 #
@@ -31,21 +33,29 @@ DEPS=(numpy orjson psutil pybase64 requests packaging pillow msgspec pydantic py
       python-multipart setproctitle einops jsonschema "xgrammar==0.2.7" "soundfile==0.13.1")
 PROBE="import sglang.srt.managers.io_struct, sglang.srt.server_args, sglang.srt.entrypoints.http_server"
 
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -W ignore -c "$PROBE" >/dev/null 2>&1; then
-    echo "sglang venv ready: $VENV ($("$VENV/bin/python" -c 'from sglang.version import __version__; print(__version__)'))"
+# shellcheck source=scripts/venv_cache.sh
+source scripts/venv_cache.sh
+DIR="$(venv_build_dir "$VENV" sglang scripts/sglang_venv.sh "$("$PYTHON" -V)" "$SGLANG_PACKAGE")"
+if [ "$DIR" != "$VENV" ]; then
+    exec 9>"$DIR.lock"
+    flock 9
+fi
+if [ -x "$DIR/bin/python" ] && "$DIR/bin/python" -W ignore -c "$PROBE" >/dev/null 2>&1; then
+    venv_link "$VENV" "$DIR"
+    echo "sglang venv ready: $VENV -> $DIR ($("$DIR/bin/python" -c 'from sglang.version import __version__; print(__version__)'))"
     exit 0
 fi
-rm -rf "$VENV"
-"$PYTHON" -m venv "$VENV"
-CONSTRAINTS="$VENV/torch-constraint.txt"
+rm -rf "$DIR"
+"$PYTHON" -m venv "$DIR"
+CONSTRAINTS="$DIR/torch-constraint.txt"
 echo "$TORCH" > "$CONSTRAINTS"
-PIP=("$VENV/bin/pip" install --quiet --constraint "$CONSTRAINTS")
-"$VENV/bin/pip" install --quiet --upgrade pip
+PIP=("$DIR/bin/pip" install --quiet --constraint "$CONSTRAINTS")
+"$DIR/bin/pip" install --quiet --upgrade pip
 "${PIP[@]}" "$TORCH"
 "${PIP[@]}" --no-deps "$SGLANG_PACKAGE"
 "${PIP[@]}" "${DEPS[@]}"
-"$VENV/bin/pip" uninstall --quiet -y torchvision 2>/dev/null || true  # in case a dependency pulled it in
-SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+"$DIR/bin/pip" uninstall --quiet -y torchvision 2>/dev/null || true  # in case a dependency pulled it in
+SITE="$("$DIR/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 mkdir -p "$SITE/torchvision"
 cat > "$SITE/torchvision/__init__.py" <<'EOF'
 """A stub of torchvision, written by arl's scripts/sglang_venv.sh: the real wheel does not load next to
@@ -102,6 +112,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 sys.meta_path.append(_Finder())
 sys.modules[__name__].__class__ = _StubModule
 EOF
-"$VENV/bin/python" -W ignore -c "$PROBE; import torch; from sglang.version import __version__ as v
+"$DIR/bin/python" -W ignore -c "$PROBE; import torch; from sglang.version import __version__ as v
 assert torch.__version__.startswith('2.13.0'), torch.__version__
-print('sglang venv ready:', '$VENV', 'sglang', v, 'torch', torch.__version__)"
+print('sglang venv built:', '$DIR', 'sglang', v, 'torch', torch.__version__)"
+venv_link "$VENV" "$DIR"
