@@ -11,6 +11,10 @@ Runs inside the SGLang venv (`scripts/sglang_venv.sh`); arl never imports it. Th
                                                            stdin) as SGLang's HTTP server reads them, as JSON
     python sglang_judge.py serve --record FILE [--corrupt VERSION:NAME:DELTA] -- ARGV...
                                                            SGLang's server for that command line
+    python sglang_judge.py answer                          the one-shot modes above, many times: one JSON job
+                                                           per stdin line ({"args", "stdin"}), one JSON answer
+                                                           per stdout line; SGLang is imported once (~6 s on 2
+                                                           cores) and each job runs in a fork of this process
 
 `serve` runs `sglang.srt.entrypoints.http_server.launch_server`, SGLang's own launch path, unchanged
 except for the scheduler process it is handed (SGLang takes it as a parameter). So these are SGLang's
@@ -75,17 +79,17 @@ STEP_S = 0.005  # one decode step of the stand-in: a stream gets one event per t
 def main(argv: list[str]) -> int:
     own, sglang_argv = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("mode", choices=["routes", "parse-args", "check-bodies", "serve"])
+    parser.add_argument("mode", choices=["routes", "parse-args", "check-bodies", "serve", "answer"])
     parser.add_argument("--record", type=Path, help="serve: append every request SGLang's code produced here")
     parser.add_argument("--corrupt", metavar="VERSION:NAME:DELTA",
                         help="serve: once weight version VERSION is loaded, add DELTA to parameter NAME")  # fmt: skip
     args = parser.parse_args(own)
-    if args.mode == "routes":
-        print(json.dumps(route_table()))
-    elif args.mode == "parse-args":
-        print(json.dumps(parse_args(sglang_argv)))
-    elif args.mode == "check-bodies":
-        print(json.dumps(check_bodies(json.load(sys.stdin))))
+    if args.mode in ONE_SHOT:
+        print(
+            json.dumps(one_shot(args.mode, sglang_argv, json.load(sys.stdin) if args.mode == "check-bodies" else None))
+        )
+    elif args.mode == "answer":
+        answer()
     else:
         if args.record is None:
             parser.error("serve needs --record FILE")
@@ -94,6 +98,52 @@ def main(argv: list[str]) -> int:
             os.environ[CORRUPT_ENV] = json.dumps([version, name, float(delta)])
         serve(sglang_argv, args.record)
     return 0
+
+
+ONE_SHOT = ("routes", "parse-args", "check-bodies")
+
+
+def one_shot(mode: str, sglang_argv: list[str], stdin: Any) -> dict[str, Any]:
+    if mode == "routes":
+        return route_table()
+    if mode == "parse-args":
+        return parse_args(sglang_argv)
+    return check_bodies(stdin)
+
+
+def answer() -> None:
+    """The one-shot modes for each job on stdin, each in a fork of this process taken after SGLang's modules are
+    imported (the import is what costs): the same functions as one process per job, no state shared between jobs.
+    Answers go out on the original stdout; everything SGLang prints goes to stderr."""
+    import sglang.srt.arg_groups.overrides
+    import sglang.srt.entrypoints.http_server
+    import sglang.srt.managers.io_struct
+    import sglang.srt.server_args  # noqa: F401
+
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    for line in sys.stdin:
+        job = json.loads(line)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the job
+            os.close(read)
+            try:
+                own, argv = job["args"][:1], job["args"][2:] if job["args"][1:2] == ["--"] else job["args"][1:]
+                payload = json.dumps(one_shot(own[0], argv, job.get("stdin")))
+            except BaseException as exc:  # reported to the test, which fails with it
+                payload = json.dumps({"judge_error": f"{type(exc).__name__}: {exc}"})
+            with os.fdopen(write, "w") as out:
+                out.write(payload)
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as result:
+            payload = result.read()
+        _, status = os.waitpid(pid, 0)
+        if not payload:
+            payload = json.dumps({"judge_error": f"the job's process ended with status {status} and no answer"})
+        answers.write(payload + "\n")
+        answers.flush()
 
 
 # -- routes and command lines ----------------------------------------------------------------------

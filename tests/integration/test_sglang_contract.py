@@ -22,7 +22,7 @@ import signal
 import subprocess
 import time
 import tomllib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +60,33 @@ pytestmark = [
 
 
 # -- the judge ----------------------------------------------------------------------------------------
-def judge_json(*args: str, stdin: Any = None) -> dict[str, Any]:
-    """One-shot judge mode (`routes`, `parse-args`, `check-bodies` with `stdin`): its JSON answer."""
-    done = subprocess.run([str(SGLANG_PYTHON), "-W", "ignore", str(JUDGE), *args], capture_output=True, text=True,
-                          input=None if stdin is None else json.dumps(stdin), timeout=300, check=False)  # fmt: skip
-    assert done.returncode == 0, f"judge {args[:1]} exited {done.returncode}:\n{done.stderr[-4000:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
+JudgeJson = Callable[..., dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def judge_json(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JudgeJson]:
+    """`judge_json(mode, "--", *argv, stdin=None)`: a one-shot judge mode (`routes`, `parse-args`, `check-bodies`
+    with `stdin`) and its JSON answer. One `sglang_judge.py answer` process answers them all: it imports SGLang
+    once and runs each in a fork of itself (a process per answer paid SGLang's ~6 s import each time)."""
+    log = tmp_path_factory.mktemp("sglang_answers") / "judge.log"
+    with log.open("w") as stderr:
+        server = subprocess.Popen([str(SGLANG_PYTHON), "-W", "ignore", str(JUDGE), "answer"], text=True,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr)  # fmt: skip
+    assert server.stdin is not None and server.stdout is not None
+
+    def ask(*args: str, stdin: Any = None) -> dict[str, Any]:
+        assert server.stdin is not None and server.stdout is not None
+        server.stdin.write(json.dumps({"args": list(args), "stdin": stdin}) + "\n")
+        server.stdin.flush()
+        line = server.stdout.readline()
+        assert line, f"judge {args[:1]}: the judge exited {server.poll()}:\n{log.read_text()[-4000:]}"
+        answer: dict[str, Any] = json.loads(line)
+        assert "judge_error" not in answer, f"judge {args[:1]}: {answer['judge_error']}\n{log.read_text()[-4000:]}"
+        return answer
+
+    yield ask
+    server.stdin.close()
+    server.wait(timeout=60)
 
 
 class Judge:
@@ -174,7 +195,7 @@ def publish_judge(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture(scope="module")
-def routes() -> dict[str, Any]:
+def routes(judge_json: JudgeJson) -> dict[str, Any]:
     return judge_json("routes")
 
 
@@ -239,7 +260,8 @@ def test_every_path_the_client_calls_is_an_sglang_route(routes: dict[str, Any]) 
     ],
     ids=["default", "tp2-bf16-metrics", "fp16-incremental"],
 )  # fmt: skip
-def test_sglang_parses_the_command_line_arl_builds(tiny_model_dir: Path, overrides: list[str]) -> None:
+def test_sglang_parses_the_command_line_arl_builds(tiny_model_dir: Path, judge_json: JudgeJson,
+                                                   overrides: list[str]) -> None:  # fmt: skip
     config = arl_sglang_config(tiny_model_dir, *overrides)
     answer = judge_json("parse-args", "--", *launch_argv(config, 30123, tiny_model_dir, 7))
     assert answer["ok"], answer
@@ -256,7 +278,7 @@ def test_sglang_parses_the_command_line_arl_builds(tiny_model_dir: Path, overrid
     assert not resolved["enable_lora"]  # LoRA flags only for a run that publishes adapters
 
 
-def test_sglang_refuses_a_flag_it_does_not_know(tiny_model_dir: Path) -> None:
+def test_sglang_refuses_a_flag_it_does_not_know(tiny_model_dir: Path, judge_json: JudgeJson) -> None:
     """The judge is not lenient: an unknown flag in `inference.extra_args` fails SGLang's parser."""
     config = arl_sglang_config(tiny_model_dir, "inference.extra_args=[--no-such-flag]")
     answer = judge_json("parse-args", "--", *launch_argv(config, 30123, tiny_model_dir, 0))
@@ -271,7 +293,7 @@ def adapter_run_config(model_dir: Path, lora: LoraConfig) -> Any:
     return config
 
 
-def test_sglang_takes_arls_lora_flags(tiny_model_dir: Path) -> None:
+def test_sglang_takes_arls_lora_flags(tiny_model_dir: Path, judge_json: JudgeJson) -> None:
     """SGLang's parser and its LoRA checks (`check_lora_server_args`) take arl's flags: LoRA on with no adapter
     at start (which needs the rank and the target modules: `all-linear` is SGLang's `all`; a list of names is
     passed through, test_engine_commands.py), and room for two adapters beside the base model."""
@@ -287,7 +309,7 @@ def test_sglang_takes_arls_lora_flags(tiny_model_dir: Path) -> None:
     assert resolved["max_loras_per_batch"] == resolved["max_loaded_loras"] == LORA_ADAPTERS + 1
 
 
-def test_sglang_reads_arls_lora_bodies() -> None:
+def test_sglang_reads_arls_lora_bodies(judge_json: JudgeJson) -> None:
     """arl's LoRA request bodies, as SGLang's routes read them (its io_struct classes, `check-bodies`)."""
     name, path = lora_adapter_name(3), "/runs/demo/trial0/checkpoints/step_000003"
     load = LoadLoRAAdapterReqInput(lora_name=name, lora_path=path)
