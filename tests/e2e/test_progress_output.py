@@ -140,7 +140,7 @@ def test_status_fits_100_columns_and_drops_columns_when_narrower(tmp_path: Path)
     wide = subprocess.run([*ARL, "status", str(paths.root)], env=_env(COLUMNS="1000"), capture_output=True,
                           text=True, timeout=60, check=True).stdout  # fmt: skip
     jobs_headers = ["stage", "attempt", "job", "state", "detail"]
-    step_headers = [c.header for c in COLUMNS]
+    step_headers = [c.header for c in COLUMNS if c.header != "exact"]  # this run's agents report no exact_correct
     for columns in ("100", None, "70", "40"):
         out = subprocess.run([*ARL, "status", str(paths.root)], env=_env(**({"COLUMNS": columns} if columns else {})),
                              capture_output=True, text=True, timeout=60, check=True).stdout  # fmt: skip
