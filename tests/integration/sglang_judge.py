@@ -119,31 +119,13 @@ def answer() -> None:
     import sglang.srt.entrypoints.http_server
     import sglang.srt.managers.io_struct
     import sglang.srt.server_args  # noqa: F401
+    from forked_jobs import answer_each_in_a_fork
 
-    answers = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    for line in sys.stdin:
-        job = json.loads(line)
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the job
-            os.close(read)
-            try:
-                own, argv = job["args"][:1], job["args"][2:] if job["args"][1:2] == ["--"] else job["args"][1:]
-                payload = json.dumps(one_shot(own[0], argv, job.get("stdin")))
-            except BaseException as exc:  # reported to the test, which fails with it
-                payload = json.dumps({"judge_error": f"{type(exc).__name__}: {exc}"})
-            with os.fdopen(write, "w") as out:
-                out.write(payload)
-            os._exit(0)
-        os.close(write)
-        with os.fdopen(read) as result:
-            payload = result.read()
-        _, status = os.waitpid(pid, 0)
-        if not payload:
-            payload = json.dumps({"judge_error": f"the job's process ended with status {status} and no answer"})
-        answers.write(payload + "\n")
-        answers.flush()
+    def run(job: dict[str, Any]) -> dict[str, Any]:
+        own, argv = job["args"][:1], job["args"][2:] if job["args"][1:2] == ["--"] else job["args"][1:]
+        return one_shot(own[0], argv, job.get("stdin"))
+
+    answer_each_in_a_fork(run)
 
 
 # -- routes and command lines ----------------------------------------------------------------------

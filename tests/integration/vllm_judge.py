@@ -96,31 +96,14 @@ def serve() -> int:
 
     for module in _JUDGE_MODULES:  # the imports are what costs; each fork inherits them
         importlib.import_module(module)
-    answers = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    for line in sys.stdin:
-        job = json.loads(line)
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the job
-            os.close(read)
-            try:
-                os.environ.clear()
-                os.environ.update(job["env"])
-                payload = json.dumps(judge(job["mode"], job["argv"], job.get("stdin")))
-            except BaseException as exc:  # reported to the test, which fails with it
-                payload = json.dumps({"judge_error": f"{type(exc).__name__}: {exc}"})
-            with os.fdopen(write, "w") as out:
-                out.write(payload)
-            os._exit(0)
-        os.close(write)
-        with os.fdopen(read) as result:
-            payload = result.read()
-        _, status = os.waitpid(pid, 0)
-        if not payload:
-            payload = json.dumps({"judge_error": f"the job's process ended with status {status} and no answer"})
-        answers.write(payload + "\n")
-        answers.flush()
+    from forked_jobs import answer_each_in_a_fork
+
+    def run(job: dict[str, Any]) -> Any:
+        os.environ.clear()  # the job's environment: vLLM reads its VLLM_* variables when called, not at import
+        os.environ.update(job["env"])
+        return judge(job["mode"], job["argv"], job.get("stdin"))
+
+    answer_each_in_a_fork(run)
     return 0
 
 
