@@ -9,14 +9,13 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
-from vllm_process import vllm_server  # tests/integration is on sys.path (pytest)
+from vllm_process import VLLMServer, serving  # tests/integration is on sys.path (pytest)
 
 from pipeline.engine.client import EngineClient, EngineError
 from pipeline.engine.inference.procs import vllm_venv_python
@@ -36,9 +35,9 @@ PROMPT_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def vllm_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with vllm_server(tiny_model_dir, tmp_path_factory.mktemp("vllm_logs")) as server:
-        yield server.url
+def vllm_url(shared_vllm: VLLMServer, tiny_model_dir: Path) -> str:
+    """The server shared with test_vllm_interrupt (conftest.py), serving the tiny model as version 0."""
+    return serving(shared_vllm, tiny_model_dir).url
 
 
 def load(path: Path) -> Any:

@@ -14,7 +14,7 @@ tells them apart. Skipped with a reason when `.vllm-venv` is absent (build it wi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import httpx
 import pytest
 import torch
 from test_engine_weight_updates import load, teacher_forced  # tests/integration is on sys.path (pytest)
-from vllm_process import VLLMServer, vllm_server
+from vllm_process import VLLMServer, serving
 
 from pipeline.engine.client import EngineClient
 from pipeline.engine.inference.procs import vllm_venv_python
@@ -43,9 +43,10 @@ LONG = {"max_new_tokens": 1200, "temperature": 1.0, "ignore_eos": True}  # about
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    with vllm_server(tiny_model_dir, tmp_path_factory.mktemp("vllm_interrupt"), max_context=2048) as running:
-        yield running
+def server(shared_vllm: VLLMServer, tiny_model_dir: Path) -> VLLMServer:
+    """The server shared with test_vllm_backend (conftest.py: 2048 tokens of context), serving the tiny model as
+    version 0."""
+    return serving(shared_vllm, tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

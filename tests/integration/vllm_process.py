@@ -57,6 +57,17 @@ def vllm_server(
                 proc.wait()
 
 
+def serving(server: VLLMServer, model_dir: Path) -> VLLMServer:
+    """`server` (shared by several modules) serving `model_dir`'s weights as version 0 again, unpaused, as if
+    just started: earlier tests swapped its weights and moved its version."""
+    reloaded = httpx.post(server.url + "/update_weights_from_disk",
+                          json={"model_path": str(model_dir), "weight_version": "0"}, timeout=300)  # fmt: skip
+    assert reloaded.status_code == 200, reloaded.text
+    info = httpx.get(server.url + "/server_info", timeout=60).json()
+    assert (info["weight_version"], info["paused"], info["running"]) == ("0", False, 0), info
+    return server
+
+
 def with_lora(config: ArlConfig, lora: LoraConfig) -> ArlConfig:
     """`config` with `trainer.lora` set to `lora`, as given: not validated again, so a `LoraConfig` built with
     `model_construct` (`publish: adapter` while the schema refuses it) stays as it is."""
