@@ -265,11 +265,18 @@ def demo(
     out: Path = typer.Option(Path("runs"), "--out", "--workdir", help="Where the tiny model and the run dir go."),
     max_staleness: int = typer.Option(1, "--max-staleness", help="0 = synchronous, 1 = overlap rollout and training."),
     seed: int = typer.Option(0, "--seed", help="Seed of the dataset order, the trainer and the server's sampling."),
+    task: str = typer.Option(
+        "repeat", "--task", help="repeat (a one-turn copy task) or tools (an Agents SDK agent with a calculator tool)."
+    ),
 ) -> int:
     """A complete local run on a tiny model (CPU): inference, rollout with an OpenAI-SDK agent, training."""
     from pipeline.demo.demo_run import run_demo
+    from pipeline.demo.tasks import task_named
 
-    return run_demo(steps=steps, out=out, max_staleness=max_staleness, overrides=overrides or [], seed=seed)
+    chosen = task_named(task)
+    return run_demo(
+        steps=steps, out=out, max_staleness=max_staleness, overrides=overrides or [], seed=seed, task=chosen
+    )
 
 
 @app.command()

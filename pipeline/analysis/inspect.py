@@ -17,7 +17,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.analysis.step_views import Decoder, InspectError, StepView, json_default, load_views, only_task
+from pipeline.analysis.step_views import (
+    Decoder,
+    InspectError,
+    StepView,
+    advantages,
+    json_default,
+    load_views,
+    only_task,
+)
 from pipeline.run.shards import per_row_sampled_and_versions, row_metadata, step_stats
 
 FORMATS = ("table", "json", "html")
@@ -85,6 +93,7 @@ def collect_samples(views: list[StepView], *, decode: bool, limit: int) -> tuple
         if len(samples) >= limit:
             break
         table = view.table.slice(0, limit - len(samples))
+        credit = advantages(view)
         lengths, sampled, vmin, vmax = per_row_sampled_and_versions(table)
         has_tokens = "input_ids" in table.column_names
         for i, row in enumerate(table.to_pylist()):
@@ -99,6 +108,7 @@ def collect_samples(views: list[StepView], *, decode: bool, limit: int) -> tuple
                 "sampled_tokens": int(sampled[i]),
                 "prompt_len": row["prompt_len"],
                 "reward": row["reward"],
+                "advantage": credit[i],
                 "finish_reason": row["finish_reason"],
                 "min_version": int(vmin[i]),
                 "max_version": int(vmax[i]),
@@ -106,7 +116,7 @@ def collect_samples(views: list[StepView], *, decode: bool, limit: int) -> tuple
             }
             if decode and has_tokens:
                 decoder = decoders.setdefault(view.tokenizer, Decoder(view.tokenizer))
-                sample["segments"] = decoder.segments(row["input_ids"], row["loss_mask"], row["versions"])
+                sample["segments"] = number_turns(decoder.segments(row["input_ids"], row["loss_mask"], row["versions"]))
             samples.append(sample)
     if total > len(samples):
         notes.append(f"showing {len(samples)} of {total} samples (--limit {limit}); summaries cover all")
@@ -169,6 +179,18 @@ def _sample_cells(sample: dict[str, Any]) -> list[str]:
     return [_fmt(sample[key]) for _, key in SAMPLE_COLUMNS] + [_versions(sample)]
 
 
+def number_turns(segments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each sampled segment gets `turn` (1, 2, ...: a turn is a run of sampled tokens, whatever weight versions it
+    spans); prompt and tool segments get None."""
+    turn, previous_sampled = 0, False
+    for seg in segments:
+        if seg["sampled"] and not previous_sampled:
+            turn += 1
+        seg["turn"] = turn if seg["sampled"] else None
+        previous_sampled = seg["sampled"]
+    return segments
+
+
 def render_rich(views: list[StepView], samples: list[dict[str, Any]], notes: list[str], *, decode: bool) -> None:
     from rich.panel import Panel
     from rich.table import Table
@@ -197,6 +219,8 @@ def render_rich(views: list[StepView], samples: list[dict[str, Any]], notes: lis
         for seg in sample.get("segments", []):
             body = seg["text"] if seg["text"] is not None else " ".join(map(str, seg["ids"])) + " "
             swap = version_switch(previous, seg)
+            if seg["sampled"] and not (previous or {}).get("sampled"):  # a turn starts: what it is trained with
+                text.append(f"⟨turn {seg['turn']} · advantage {sample['advantage']:+.2f}⟩", style="bold cyan")
             previous = seg
             if swap:
                 text.append(swap, style="bold magenta")
@@ -204,8 +228,14 @@ def render_rich(views: list[StepView], samples: list[dict[str, Any]], notes: lis
                 text.append(f"{SAMPLED_OPEN}{body}{SAMPLED_CLOSE}" if plain else body, style="bold green")
             else:
                 text.append(body, style="dim")
-        title = f"{sample['sample_id']} · reward {_fmt(sample['reward'])} · {sample['num_turns']} turn(s)"
-        legend = f"sampled = green{' «…»' if plain else ''}, prompt = dim, ⟨vA→vB⟩ = new weights mid-turn"
+        title = (
+            f"{sample['sample_id']} · reward {_fmt(sample['reward'])} · advantage {sample['advantage']:+.3f} · "
+            f"{sample['num_turns']} turn(s)"
+        )
+        legend = (
+            f"sampled = green{' «…»' if plain else ''}, prompt = dim, ⟨vA→vB⟩ = new weights mid-turn, "
+            "⟨turn k · advantage⟩ = what the turn's tokens are trained with"
+        )
         console.print(Panel(text, title=Text(title), subtitle=Text(legend)))
     for note in notes:
         console.print(f"note: {note}", style="yellow", markup=False, highlight=False)

@@ -106,6 +106,27 @@ def _run_views(steps_parent: Path, given: Path, step: int | None, *, with_tokens
     return views
 
 
+def advantages(view: StepView) -> list[float]:
+    """Each row's advantage as the trainer computes it (`trainer.algorithm.advantage` of the run's config, GRPO when
+    the view is not inside a run dir): the reward the row's sampled tokens are trained with, every turn of a
+    concat row alike. Rows whose group is cut by `--task` or a partial read get the baseline of the rows present."""
+    from pipeline.trainer.advantages import compute_advantages
+
+    table = view.table
+    rewards = [float(r) if r is not None else 0.0 for r in table.column("reward").to_pylist()]
+    return [float(a) for a in compute_advantages(rewards, table.column("group_id").to_pylist(), _estimator(view))]
+
+
+def _estimator(view: StepView) -> Any:
+    for folder in view.source.parents:
+        if (folder / "trajectories").is_dir() and (folder / "config.yaml").exists():
+            import yaml
+
+            config = yaml.safe_load((folder / "config.yaml").read_text()) or {}
+            return ((config.get("trainer") or {}).get("algorithm") or {}).get("advantage", "grpo")
+    return "grpo"
+
+
 def read_full(view: StepView) -> StepView:
     """The view with every column (token ids and log-probs too): a step dir read light is read again."""
     if "input_ids" in view.table.column_names:

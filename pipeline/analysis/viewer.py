@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.analysis.step_views import Decoder, InspectError, StepView, json_default, only_task, read_full
+from pipeline.analysis.step_views import Decoder, InspectError, StepView, advantages, json_default, only_task, read_full
 from pipeline.run.paths import RunPaths, parse_step_name, step_name
 from pipeline.run.shards import row_metadata
 from schemas.config.rollout import task_of
@@ -110,7 +110,8 @@ def page_data(
     """Everything one step's page shows, as the JSON its script reads."""
     table = full.table.slice(0, limit)
     rows = table.to_pylist()
-    samples = [sample_data(row, i, decoder, deltas.get(row["sample_id"], {})) for i, row in enumerate(rows)]
+    credit = advantages(full)
+    samples = [sample_data(row, i, decoder, deltas.get(row["sample_id"], {}), credit[i]) for i, row in enumerate(rows)]
     notes = []
     if full.table.num_rows > len(samples):
         notes.append(f"showing the first {len(samples)} of {full.table.num_rows} samples (--limit {limit})")
@@ -133,7 +134,9 @@ def page_data(
     }
 
 
-def sample_data(row: dict[str, Any], index: int, decoder: Decoder, replay: dict[int, Any]) -> dict[str, Any]:
+def sample_data(
+    row: dict[str, Any], index: int, decoder: Decoder, replay: dict[int, Any], advantage: float = 0.0
+) -> dict[str, Any]:
     ids, mask = row["input_ids"], row["loss_mask"]
     texts = token_texts(decoder, ids)
     metadata = row_metadata(row["metadata"], index)
@@ -145,6 +148,7 @@ def sample_data(row: dict[str, Any], index: int, decoder: Decoder, replay: dict[
         "parent": row["parent_id"],
         "task": task_of(metadata),
         "reward": _num(row["reward"]),
+        "adv": _num(advantage),
         "finish": row["finish_reason"],
         "turns": row["num_turns"],
         "len": len(ids),

@@ -48,29 +48,62 @@ class WarmStartResult:
     """Mean loss of the last batch."""
 
 
-def load_corpus(path: Path) -> list[tuple[list[dict[str, Any]], str]]:
-    """The corpus's `(messages, reply)` rows; errors name the file and line."""
+Row = tuple[list[dict[str, Any]], str | None, list[dict[str, Any]] | None]
+"""A corpus row: (messages, reply or None, tools or None)."""
+
+
+def load_corpus(path: Path) -> list[Row]:
+    """The corpus's rows; errors name the file and line. A row either has a `reply` (trained after `messages`) or
+    none, and then its assistant messages (tool calls included) are what is trained; `tools` is optional."""
     from pipeline.agents.dataset import numbered_jsonl
 
-    rows = []
+    rows: list[Row] = []
     for number, row in numbered_jsonl(Path(path)):
-        messages, reply = row.get("messages"), row.get("reply")
-        if not isinstance(messages, list) or not messages or not isinstance(reply, str) or not reply:
+        messages, reply, tools = row.get("messages"), row.get("reply"), row.get("tools")
+        has_turns = isinstance(messages, list) and any(m.get("role") == "assistant" for m in messages)
+        good_reply = (isinstance(reply, str) and reply) or (reply is None and has_turns)
+        if not isinstance(messages, list) or not messages or not good_reply or not isinstance(tools, list | None):
             raise ArlError(
-                f"{path}:{number}: a warm-start row needs 'messages' (a non-empty list of chat "
-                f"messages) and 'reply' (a non-empty string); got keys {sorted(row)}"
+                f"{path}:{number}: a warm-start row needs 'messages' (a non-empty list of chat messages) and "
+                f"either 'reply' (a non-empty string) or assistant messages to train, and 'tools' (if any) must "
+                f"be a list; got keys {sorted(row)}"
             )
-        rows.append((messages, reply))
+        rows.append((messages, reply, tools))
     if not rows:
         raise ArlError(f"warm-start corpus {path} has no rows")
     return rows
 
 
-def encode_row(tokenizer: Any, messages: list[dict[str, Any]], reply: str) -> tuple[list[int], list[int]]:
-    """Token ids of the rendered prompt + reply + end of turn, and a 0/1 mask of the trained ones."""
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    answer = [*tokenizer.encode(reply, add_special_tokens=False), tokenizer.eos_token_id]
-    return list(prompt) + answer, [0] * len(prompt) + [1] * len(answer)
+def encode_row(
+    tokenizer: Any, messages: list[dict[str, Any]], reply: str | None, tools: list[dict[str, Any]] | None = None
+) -> tuple[list[int], list[int]]:
+    """Token ids of the rendered conversation and a 0/1 mask of the trained ones. With a `reply`: the prompt (with
+    its generation prompt, exactly as the proxy renders an agent's request) + the reply + end of turn, the last two
+    trained. Without: the whole conversation, each assistant turn's tokens trained from its generation prompt up to
+    and including its end-of-turn token: exactly what the model samples for that turn."""
+    if reply is not None:
+        prompt = _render(tokenizer, messages, tools, generation_prompt=True)
+        answer = [*tokenizer.encode(reply, add_special_tokens=False), tokenizer.eos_token_id]
+        return prompt + answer, [0] * len(prompt) + [1] * len(answer)
+    ids = _render(tokenizer, messages, tools, generation_prompt=False)
+    mask = [0] * len(ids)
+    for index, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        start = len(_render(tokenizer, messages[:index], tools, generation_prompt=True))
+        end = ids.index(tokenizer.eos_token_id, start) + 1 if tokenizer.eos_token_id in ids[start:] else len(ids)
+        mask[start:end] = [1] * (end - start)
+    return ids, mask
+
+
+def _render(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *, generation_prompt: bool
+) -> list[int]:
+    return list(
+        tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False
+        )
+    )
 
 
 def warm_start(
@@ -94,7 +127,7 @@ def warm_start(
         raise ArlError(f"warm start needs steps >= 1 and batch_size >= 1, got {steps} and {batch_size}")
     rows = load_corpus(corpus)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    encoded = [encode_row(tokenizer, messages, reply) for messages, reply in rows]
+    encoded = [encode_row(tokenizer, messages, reply, tools) for messages, reply, tools in rows]
     rng = random.Random(seed)
     losses = []
     # fork_rng: a seeded run that leaves the caller's global RNG stream as it was

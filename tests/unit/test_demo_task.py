@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 
 from pipeline.agents.loading import load_object
-from pipeline.demo.demo_run import DEMO_DATA, DEMO_FORMAT
+from pipeline.demo.tasks import EXAMPLES, REPEAT
 from pipeline.demo.tiny_model import make_tiny_model
 from pipeline.demo.warm_start import load_corpus, read_record, warm_start
 from pipeline.errors import ArlError
 
 AGENT_FILE = Path(__file__).resolve().parents[2] / "examples" / "demo_agent.py"
+DEMO_DATA, DEMO_FORMAT = EXAMPLES / "data" / "demo.jsonl", REPEAT.warm_corpus
 
 
 def _agent_module_function(name: str) -> object:
@@ -60,14 +61,15 @@ def test_the_warm_start_corpus_teaches_the_format_only() -> None:
     """No prompt names a number or asks to repeat, and the replies are two-digit numbers unrelated to their
     prompts: the corpus cannot teach copying."""
     rows = load_corpus(DEMO_FORMAT)
-    prompts = {json.dumps(messages) for messages, _ in rows}
-    for messages, reply in rows:
+    prompts = {json.dumps(messages) for messages, _, _ in rows}
+    for messages, reply, tools in rows:
+        assert tools is None and reply is not None
         text = " ".join(m["content"] for m in messages)
         assert not any(ch.isdigit() for ch in text) and "repeat" not in text.lower(), text
         assert len(reply) == 2 and reply.isdigit()
     # each prompt wording is paired with many different replies, so the prompt does not predict the reply
-    by_prompt = Counter(json.dumps(m) for m, _ in rows)
-    replies_per_prompt = {p: {r for m, r in rows if json.dumps(m) == p} for p in prompts}
+    by_prompt = Counter(json.dumps(m) for m, _, _ in rows)
+    replies_per_prompt = {p: {r for m, r, _ in rows if json.dumps(m) == p} for p in prompts}
     assert all(len(replies_per_prompt[p]) >= by_prompt[p] // 2 for p in prompts)
 
 
