@@ -17,10 +17,11 @@ _last_shared_vllm_user: list[pytest.Item] = []
 @pytest.fixture(scope="session")
 def shared_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     """One vLLM server (the tiny model, 2048 tokens of context) for test_vllm_backend and test_vllm_interrupt:
-    starting one takes ~30 s. Not test_vllm_lora's: vLLM's LoRA flags wrap its layers (`...base_layer.weight`),
-    so weights by name and the broadcast reload these modules judge fail there. Each module's own fixture reloads the tiny model's weights as
-    version 0 (`vllm_process.serving`), since tests swap weights; the server stops after the last test that uses
-    it (`pytest_runtest_teardown`), not at the end of the session, so it never runs beside test_vllm_lora's."""
+    starting one takes ~30 s. Each module's own fixture reloads the tiny model's weights as version 0 first
+    (`vllm_process.serving`), since tests swap weights. It stops after the last test that uses it
+    (`pytest_runtest_teardown`), not at the end of the session, so it never runs beside test_vllm_lora's, which
+    these modules cannot share: vLLM's LoRA flags wrap its layers (`...base_layer.weight`), so weights by name
+    fail there and the broadcast tests hung."""
     with _shared_vllm_stack:
         logs = tmp_path_factory.mktemp("vllm_shared")
         yield _shared_vllm_stack.enter_context(vllm_server(tiny_model_dir, logs, max_context=2048))
