@@ -22,13 +22,14 @@ import signal
 import subprocess
 import time
 import tomllib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
+from sglang_answers import JUDGE, SGLANG_PYTHON, JudgeJson  # tests/integration is on sys.path (pytest)
 
 from pipeline.engine.client import EngineClient, EngineError
 from pipeline.engine.client.coalesce import BatchPolicy
@@ -46,8 +47,6 @@ from schemas.engine_api import (
     lora_adapter_name,
 )
 
-SGLANG_PYTHON = REPO_ROOT / ".sglang-venv" / "bin" / "python"
-JUDGE = Path(__file__).with_name("sglang_judge.py")
 CLIENT_SOURCES = REPO_ROOT / "pipeline" / "engine" / "client"
 PROMPT = [11, 12, 13, 14]
 START_TIMEOUT_S = 240.0
@@ -60,34 +59,8 @@ pytestmark = [
 
 
 # -- the judge ----------------------------------------------------------------------------------------
-JudgeJson = Callable[..., dict[str, Any]]
-
-
-@pytest.fixture(scope="module")
-def judge_json(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JudgeJson]:
-    """`judge_json(mode, "--", *argv, stdin=None)`: a one-shot judge mode (`routes`, `parse-args`, `check-bodies`
-    with `stdin`) and its JSON answer. One `sglang_judge.py answer` process answers them all: it imports SGLang
-    once and runs each in a fork of itself (a process per answer paid SGLang's ~6 s import each time)."""
-    log = tmp_path_factory.mktemp("sglang_answers") / "judge.log"
-    with log.open("w") as stderr:
-        server = subprocess.Popen([str(SGLANG_PYTHON), "-W", "ignore", str(JUDGE), "answer"], text=True,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr)  # fmt: skip
-    assert server.stdin is not None and server.stdout is not None
-
-    def ask(*args: str, stdin: Any = None) -> dict[str, Any]:
-        assert server.stdin is not None and server.stdout is not None
-        server.stdin.write(json.dumps({"args": list(args), "stdin": stdin}) + "\n")
-        server.stdin.flush()
-        line = server.stdout.readline()
-        assert line, f"judge {args[:1]}: the judge exited {server.poll()}:\n{log.read_text()[-4000:]}"
-        answer: dict[str, Any] = json.loads(line)
-        assert "judge_error" not in answer, f"judge {args[:1]}: {answer['judge_error']}\n{log.read_text()[-4000:]}"
-        return answer
-
-    yield ask
-    server.stdin.close()
-    server.kill()  # every job is answered; its interpreter's own exit (SGLang's modules) took ~1.5 s
-    server.wait(timeout=60)
+# `judge_json(mode, "--", *argv, stdin=None)` (conftest.py, shared with test_engine_routes_sglang): a one-shot
+# judge mode and its JSON answer, from one `sglang_judge.py answer` process (sglang_answers.py).
 
 
 class Judge:
