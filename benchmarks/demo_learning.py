@@ -41,6 +41,7 @@ class SeedRun:
     """Exact-correct rate of each step's samples (step 0 first)."""
     rewards: list[float]
     wall_s: float
+    run_dir: Path | None = None
 
     def fifth(self, values: list[float], last: bool) -> float:
         k = max(1, len(values) // 5)
@@ -72,14 +73,19 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def run_seed(workdir: Path, seed: int, steps: int | None, overrides: list[str]) -> SeedRun:
-    """One `arl demo --seed N`; its rollout metrics give the per-step figures."""
+def run_seed(workdir: Path, seed: int, steps: int | None, overrides: list[str], task: str = "repeat") -> SeedRun:
+    """One `arl demo --seed N [--task T]`; its rollout metrics give the per-step figures (`SeedRun.run_dir` the
+    rest)."""
+    import yaml
+
+    from pipeline.demo.tasks import task_named
     from pipeline.run.paths import RunPaths
     from pipeline.run.sinks import read_jsonl
 
-    demo_dir = workdir / "demo"
+    demo_dir = workdir / str(yaml.safe_load(task_named(task).config.read_text())["experiment_name"])
     before = set(demo_dir.iterdir()) if demo_dir.exists() else set()
-    cmd = [sys.executable, "-m", "pipeline.cli", "demo", *overrides, "--seed", str(seed), "--out", str(workdir)]
+    cmd = [sys.executable, "-m", "pipeline.cli", "demo", *overrides, "--seed", str(seed), "--out", str(workdir),
+           "--task", task]  # fmt: skip
     if steps is not None:
         cmd += ["--steps", str(steps)]
     print(f"-- seed {seed}: {' '.join(cmd[3:])}", flush=True)
@@ -96,7 +102,7 @@ def run_seed(workdir: Path, seed: int, steps: int | None, overrides: list[str]) 
     rows = sorted(read_jsonl(RunPaths(run_dir).rollout_metrics), key=lambda r: int(r["step"]))
     if any(EXACT not in r for r in rows):
         raise RuntimeError(f"{run_dir}: rollout metrics without {EXACT}; is the agent the demo's?")
-    run = SeedRun(seed, [float(r[EXACT]) for r in rows], [float(r["reward_mean"]) for r in rows], wall)
+    run = SeedRun(seed, [float(r[EXACT]) for r in rows], [float(r["reward_mean"]) for r in rows], wall, run_dir)
     first, last = run.fifth(run.exact, False), run.fifth(run.exact, True)
     print(f"   {len(rows)} steps in {wall:.0f}s: exact-correct step 0 {run.exact[0]:.3f}, first 20% {first:.3f}, "
           f"last 20% {last:.3f}", flush=True)  # fmt: skip

@@ -49,7 +49,7 @@ prompt token is a place it could look instead (the tool's schema, which the chat
 the system message, is already ~300 tokens)."""
 TOOL_DESCRIPTION = "Evaluate an arithmetic expression."
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.USub: operator.neg}
-_NUMBER = re.compile(r"-?\d+")
+_ANSWER = re.compile(r"(?:The answer is )?(-?\d+)\.?")
 FIRST, SECOND = (100, 899), (10, 99)
 """The operands' ranges. Every sum then has three digits, and every question and call the same number of tokens,
 so what the model copies sits at a fixed distance from where it writes it: a one-layer model can learn that."""
@@ -81,9 +81,16 @@ def calculate(expression: str) -> str:
 
 
 def parse_answer(text: str) -> int | None:
-    """The final answer's number: the reply stripped must be one integer, nothing else."""
-    text = text.strip()
-    return int(text) if _NUMBER.fullmatch(text) else None
+    """The final answer's number: the reply (stripped) must be "The answer is N." or N alone, nothing else."""
+    found = _ANSWER.fullmatch(text.strip())
+    return int(found.group(1)) if found else None
+
+
+def answer_text(value: str) -> str:
+    """How the warm start's answers are written. Not the bare number: in a one-layer model the query of the token
+    before the answer's first digit is that token's own; the bare number would put it on the newline that ends
+    every turn header, " is" exists only here, so repeating the tool's result is a copy at a fixed distance."""
+    return f"The answer is {value}."
 
 
 def score(answer: str, truth: int) -> float:
@@ -251,9 +258,9 @@ def format_rows(count: int, seed: int) -> list[dict[str, Any]]:
             {"role": "tool", "tool_call_id": "call_0", "content": result},
         ]
         if index % 2:
-            rows.append({"messages": messages, "reply": result, "tools": [CALCULATOR_TOOL]})
+            rows.append({"messages": messages, "reply": answer_text(result), "tools": [CALCULATOR_TOOL]})
         else:
-            rows.append({"messages": [*messages, {"role": "assistant", "content": result}], "tools": [CALCULATOR_TOOL]})
+            rows.append({"messages": [*messages, {"role": "assistant", "content": answer_text(result)}], "tools": [CALCULATOR_TOOL]})
     return rows
 
 

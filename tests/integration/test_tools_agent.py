@@ -103,7 +103,7 @@ async def test_a_tool_episode_is_one_row_whose_mask_is_the_two_model_turns(
         arguments = f'{{"expression": "{expression}"}}'
         assert call == f'<tool_call>\n{{"name": "calculator", "arguments": {arguments}}}\n</tool_call><|im_end|>'
 
-        assert answer == f"{result}<|im_end|>"
+        assert answer == f"The answer is {result}.<|im_end|>"
         text = tokenizer.decode(sample["input_ids"])
         assert f"<tool_response>\n{result}\n</tool_response>" in text  # in the row, not trained (not a span above)
         metadata = json.loads(sample["metadata"])
@@ -114,6 +114,12 @@ async def test_a_tool_episode_is_one_row_whose_mask_is_the_two_model_turns(
     (metrics,) = read_jsonl(paths.rollout_metrics)
     assert metrics["agent/used_tool"] == 1.0 and metrics["turns_mean"] == 2.0 and metrics["prefix_breaks"] == 0
     assert metrics["agent/exact_correct"] == pytest.approx(sum(r["reward"] == 1.0 for r in rows) / len(rows))
+    from pipeline.analysis.query.catalog import connect
+
+    steps = connect([paths.root]).connection.sql(
+        "SELECT step, rollout_agent_used_tool, rollout_agent_exact_correct FROM steps"
+    ).fetchall()
+    assert steps == [(0, 1.0, metrics["agent/exact_correct"])]
 
 
 async def test_individual_export_credits_the_tool_call_turn_through_the_discount(
