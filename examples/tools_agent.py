@@ -260,7 +260,8 @@ def format_rows(count: int, seed: int) -> list[dict[str, Any]]:
         if index % 2:
             rows.append({"messages": messages, "reply": answer_text(result), "tools": [CALCULATOR_TOOL]})
         else:
-            rows.append({"messages": [*messages, {"role": "assistant", "content": answer_text(result)}], "tools": [CALCULATOR_TOOL]})
+            answer = {"role": "assistant", "content": answer_text(result)}
+            rows.append({"messages": [*messages, answer], "tools": [CALCULATOR_TOOL]})
     return rows
 
 

@@ -116,9 +116,11 @@ async def test_a_tool_episode_is_one_row_whose_mask_is_the_two_model_turns(
     assert metrics["agent/exact_correct"] == pytest.approx(sum(r["reward"] == 1.0 for r in rows) / len(rows))
     from pipeline.analysis.query.catalog import connect
 
-    steps = connect([paths.root]).connection.sql(
-        "SELECT step, rollout_agent_used_tool, rollout_agent_exact_correct FROM steps"
-    ).fetchall()
+    steps = (
+        connect([paths.root])
+        .connection.sql("SELECT step, rollout_agent_used_tool, rollout_agent_exact_correct FROM steps")
+        .fetchall()
+    )
     assert steps == [(0, 1.0, metrics["agent/exact_correct"])]
 
 

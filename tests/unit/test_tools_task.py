@@ -130,7 +130,8 @@ def test_every_file_a_demo_task_reads_ships_in_the_wheel() -> None:
     from pipeline.demo.tasks import TASKS, demo_file_overrides
 
     root = EXAMPLES.parent
-    shipped = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pipeline"])
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    shipped = set(setuptools["package-data"]["pipeline"])
     for task in TASKS.values():
         overrides = dict(o.split("=", 1) for o in demo_file_overrides(task))
         named = [task.config, task.agent, task.warm_corpus, Path(overrides["rollout.dataset.path"])]
