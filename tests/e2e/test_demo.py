@@ -28,7 +28,7 @@ benchmark benchmarks/demo_learning.py checks that on three seeds)."""
 def _env() -> dict[str, str]:
     """The test's environment less what a person's shell does not set. PYTHONDONTWRITEBYTECODE goes too: the fresh
     venv holds no bytecode (`fresh_venv_with`), and with it set every process of the demo compiled torch and
-    transformers from source again (the demo took ~56 s instead of ~28 s)."""
+    transformers from source again (the demo's RL part took 23-25 s instead of 11-15 s)."""
     drop = ("COLUMNS", "LINES", "FORCE_COLOR", "NO_COLOR", "TERM", "PYTHONPATH", "VIRTUAL_ENV")
     drop += ("PYTHONDONTWRITEBYTECODE",)
     return {k: v for k, v in os.environ.items() if k not in drop}
