@@ -238,30 +238,33 @@ def _run_call(call: Any) -> str | None:
 def format_rows(count: int, seed: int) -> list[dict[str, Any]]:
     """Warm-start rows that teach the protocol and nothing else: the call's numbers are drawn independently of
     the question's, so the tool's result and the final answer (which repeats it) are wrong for the question.
-    Every other row trains only the answer turn (`reply`): repeating the tool's result is what the model takes
-    longest to learn, and at a third of a whole row's trained tokens it would get little of the gradient."""
+
+    Every other row trains only the answer turn (`reply`), without the system message and tool schema: repeating
+    the tool's result is what the model takes longest to learn (at a third of a whole row's trained tokens it got
+    little of the gradient, and 700 steps of whole rows did not teach it), and the copy is a fixed distance back
+    from the answer, which a row of 40 tokens teaches as well as one of 400, at a tenth of the cost."""
     rng = random.Random(seed)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for index in range(count):
         a, x = rng.randint(*FIRST), rng.randint(*FIRST)
         b, y = rng.randint(*SECOND), rng.randint(*SECOND)
         expression, result = f"{x} + {y}", calculate(f"{x} + {y}")
-        call = {
-            "id": "call_0",
-            "type": "function",
-            "function": {"name": "calculator", "arguments": {"expression": expression}},
-        }
-        messages = [
-            {"role": "system", "content": INSTRUCTIONS},
+        function = {"name": "calculator", "arguments": {"expression": expression}}
+        turns = [
             {"role": "user", "content": question(a, b)},
-            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": "call_0", "type": "function", "function": function}],
+            },
             {"role": "tool", "tool_call_id": "call_0", "content": result},
         ]
         if index % 2:
-            rows.append({"messages": messages, "reply": answer_text(result), "tools": [CALCULATOR_TOOL]})
+            rows.append({"messages": turns, "reply": answer_text(result)})
         else:
             answer = {"role": "assistant", "content": answer_text(result)}
-            rows.append({"messages": [*messages, answer], "tools": [CALCULATOR_TOOL]})
+            system = {"role": "system", "content": INSTRUCTIONS}
+            rows.append({"messages": [system, *turns, answer], "tools": [CALCULATOR_TOOL]})
     return rows
 
 

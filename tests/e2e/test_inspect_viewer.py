@@ -110,6 +110,11 @@ def test_the_page_in_a_browser(page_path: Path, browser: Any) -> None:
     assert "It is sunny." in page.text_content(first) and page.locator(f"{first} .turn.assistant").count() == 2
     pills = page.locator(f"{first} .pill.call")
     assert pills.count() == 1 and pills.text_content() == "1 tool call(s)"
+    # Each turn's sampled tokens open with what they are trained with: the row's one advantage, every turn alike.
+    credit = page.locator(f"{first} .credit").all_text_contents()
+    header = next(t for t in page.locator(f"{first} .head span").all_text_contents() if t.startswith("advantage "))
+    assert [c.split(" · ")[0] for c in credit] == ["turn 1", "turn 2"]
+    assert {c.split(" · ")[1] for c in credit} == {header}
     assert page.locator(".card[data-i='3'] .pill.call").count() == 0, "rejected markup is not a tool call"
     # The template's system turn starts collapsed, so the conversation's turns come first; one click opens it.
     system = page.locator(f"{first} details.sys")

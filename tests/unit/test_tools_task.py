@@ -40,10 +40,13 @@ def test_the_warm_start_corpus_teaches_the_protocol_but_no_answer() -> None:
     assert _jsonl(TOOLS.warm_corpus) == _task("format_rows")(len(rows), seed=0)
     right = answer_only = 0
     for messages, reply, tools in rows:
-        assert tools == [_task("CALCULATOR_TOOL")]
-        user, call, result = messages[1], messages[2], messages[3]
-        answer = reply if reply is not None else messages[4]["content"]
-        answer_only += reply is not None
+        if reply is None:  # a whole episode, as the agent sends it
+            assert tools == [_task("CALCULATOR_TOOL")] and messages[0]["content"] == _task("INSTRUCTIONS")
+            messages, answer = messages[1:-1], messages[-1]["content"]
+        else:  # the answer turn alone, in a short row
+            assert tools is None and messages[0]["role"] == "user"
+            answer, answer_only = reply, answer_only + 1
+        user, call, result = messages
         a, b = (int(x) for x in user["content"].removeprefix("What is ").removesuffix("?").split(" + "))
         expression = call["tool_calls"][0]["function"]["arguments"]["expression"]
         assert result["content"] == _task("calculate")(expression)
