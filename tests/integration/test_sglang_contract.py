@@ -15,6 +15,7 @@ Skipped with a reason when `.sglang-venv` is absent (build it with scripts/sglan
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -22,7 +23,7 @@ import signal
 import subprocess
 import time
 import tomllib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,8 @@ class Judge:
     """A running `sglang_judge.py serve`: SGLang's server for arl's command line, on loopback. `options`: the
     judge's own (before `--`), e.g. `["--corrupt", "VERSION:NAME:DELTA"]`."""
 
-    def __init__(self, argv: list[str], port: int, workdir: Path, options: Sequence[str] = ()) -> None:
+    def __init__(self, argv: list[str], port: int, workdir: Path, options: Sequence[str] = (), *,
+                 wait: bool = True) -> None:  # fmt: skip
         self.url = f"http://127.0.0.1:{port}"
         workdir.mkdir(parents=True, exist_ok=True)
         self.record = workdir / "record.jsonl"
@@ -78,16 +80,19 @@ class Judge:
             command = [str(SGLANG_PYTHON), "-W", "ignore", str(JUDGE), "serve", "--record", str(self.record),
                        *options, "--", *argv]  # fmt: skip
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self._wait_healthy()
+        self.started = time.monotonic()
+        if wait:
+            self.wait_healthy()
 
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
+    def wait_healthy(self) -> Judge:
+        """Return once it answers `/health` (a judge made with `wait=False` starts while others do)."""
+        deadline = self.started + START_TIMEOUT_S
         while True:
             assert self.proc.poll() is None, f"judge exited {self.proc.returncode}:\n{self.log_tail()}"
             assert time.monotonic() < deadline, f"judge not healthy after {START_TIMEOUT_S}s:\n{self.log_tail()}"
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
+                    return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
@@ -139,32 +144,50 @@ def launch_argv(config: Any, port: int, model_dir: Path, version: int) -> list[s
 
 
 def start_judge(model_dir: Path, workdir: Path, version: int = 3, options: Sequence[str] = (),
-                overrides: Sequence[str] = ()) -> Judge:  # fmt: skip
+                overrides: Sequence[str] = (), *, wait: bool = True) -> Judge:  # fmt: skip
     port = free_port("127.0.0.1")
     config = arl_sglang_config(model_dir, *overrides)
-    return Judge(launch_argv(config, port, model_dir, version), port, workdir, options)
+    return Judge(launch_argv(config, port, model_dir, version), port, workdir, options, wait=wait)
 
 
-@pytest.fixture(scope="module")
-def judge(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Judge]:
-    server = start_judge(tiny_model_dir, tmp_path_factory.mktemp("sglang_judge"))
+@contextlib.contextmanager
+def started_together(*launches: Callable[[], Judge]) -> Iterator[list[Judge]]:
+    """Judges launched at once (each `launch` returns one made with `wait=False`), then awaited; stopped after.
+    On 2 cores two judges were healthy in ~30 s together, ~40 s one after the other: one's imports overlap the
+    others' waits for their spawned scheduler and detokenizer."""
+    judges: list[Judge] = []
     try:
-        yield server
+        for launch in launches:
+            judges.append(launch())
+        yield [judge.wait_healthy() for judge in judges]
     finally:
-        server.stop()
+        for judge in judges:
+            judge.stop()
 
 
 @pytest.fixture(scope="module")
-def publish_judge(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Judge]:
+def judges(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Judge]]:
+    """The module's two judges (`judge`, `publish_judge`), started together."""
+    publishing = ("trainer.lora.rank=8", "trainer.lora.publish=adapter")
+    with started_together(
+        lambda: start_judge(tiny_model_dir, tmp_path_factory.mktemp("sglang_judge"), wait=False),
+        lambda: start_judge(tiny_model_dir, tmp_path_factory.mktemp("sglang_publish_judge"), overrides=publishing,
+                            wait=False),
+    ) as started:  # fmt: skip
+        yield started
+
+
+@pytest.fixture(scope="module")
+def judge(judges: list[Judge]) -> Judge:
+    return judges[0]
+
+
+@pytest.fixture(scope="module")
+def publish_judge(judges: list[Judge]) -> Judge:
     """A judge of its own for the publisher's tests (each publishes the version after the one it serves): the
-    module's `judge` keeps the weights and version the other tests expect, and one start (~45 s) serves all.
-    Started as for a run that publishes LoRA adapters (arl's LoRA flags), which full-weight publication ignores."""
-    server = start_judge(tiny_model_dir, tmp_path_factory.mktemp("sglang_publish_judge"),
-                         overrides=("trainer.lora.rank=8", "trainer.lora.publish=adapter"))  # fmt: skip
-    try:
-        yield server
-    finally:
-        server.stop()
+    module's `judge` keeps the weights and version the other tests expect, and one start serves all. Started as
+    for a run that publishes LoRA adapters (arl's LoRA flags), which full-weight publication ignores."""
+    return judges[1]
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,15 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_sglang_contract import SGLANG_PYTHON, Judge, arl_sglang_config, client, launch_argv, start_judge
+from test_sglang_contract import (  # tests/integration is on sys.path (pytest)
+    SGLANG_PYTHON,
+    Judge,
+    arl_sglang_config,
+    client,
+    launch_argv,
+    start_judge,
+    started_together,
+)
 
 from pipeline.engine.client import EngineClient, EngineError
 from pipeline.net.addresses import free_port
@@ -44,13 +52,40 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def judge(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Judge]:
-    server = start_judge(tiny_model_dir, tmp_path_factory.mktemp("sglang_verify"), version=0,
-                         options=["--corrupt", f"{CORRUPT_VERSION}:{CORRUPTED}:1.0"])  # fmt: skip
-    try:
-        yield server
-    finally:
-        server.stop()
+def judges(tiny_model_dir: Path, tiny_llama_arch_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+           ) -> Iterator[list[Judge]]:  # fmt: skip
+    """The module's three judges (`judge`, `llama_judge`, `bf16_judge`), started together (`started_together`)."""
+
+    def bf16() -> Judge:
+        port = free_port("127.0.0.1")
+        argv = launch_argv(arl_sglang_config(tiny_model_dir, "model.dtype=bfloat16"), port, tiny_model_dir, 0)
+        return Judge(argv, port, tmp_path_factory.mktemp("sglang_verify_bf16"), wait=False)
+
+    with started_together(
+        lambda: start_judge(tiny_model_dir, tmp_path_factory.mktemp("sglang_verify"), version=0,
+                            options=["--corrupt", f"{CORRUPT_VERSION}:{CORRUPTED}:1.0"], wait=False),
+        lambda: start_judge(tiny_llama_arch_dir, tmp_path_factory.mktemp("sglang_verify_llama"), version=0,
+                            wait=False),
+        bf16,
+    ) as started:  # fmt: skip
+        yield started
+
+
+@pytest.fixture(scope="module")
+def judge(judges: list[Judge]) -> Judge:
+    return judges[0]
+
+
+@pytest.fixture(scope="module")
+def llama_judge(judges: list[Judge]) -> Judge:
+    """A judge serving `tiny_llama_arch_dir` (version 0)."""
+    return judges[1]
+
+
+@pytest.fixture(scope="module")
+def bf16_judge(judges: list[Judge]) -> Judge:
+    """A judge serving the tiny model (version 0) as arl launches SGLang with `model.dtype=bfloat16`."""
+    return judges[2]
 
 
 @pytest.fixture(scope="module")
@@ -261,36 +296,27 @@ def tiny_llama_arch_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathF
     return out
 
 
-async def test_get_weights_by_name_answers_rows_for_llama(tiny_llama_arch_dir: Path, tmp_path: Path) -> None:
+async def test_get_weights_by_name_answers_rows_for_llama(tiny_llama_arch_dir: Path, llama_judge: Judge) -> None:
     """SGLang's Llama class implements the route (over its fused q/k/v and gate/up tensors): the answer is the
     checkpoint's first rows, and arl's Verifier reads and checks them."""
-    judge = start_judge(tiny_llama_arch_dir, tmp_path / "judge", version=0)
-    try:
-        state = state_of(tiny_llama_arch_dir)
-        async with EngineClient([judge.url], health_interval_s=0, request_timeout_s=120) as engine:
-            for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight",
-                         "model.norm.weight", "lm_head.weight"):  # fmt: skip
-                rows = await engine.weights_by_name(judge.url, name, 3)
-                want = state.get(name, state["model.embed_tokens.weight"])[:3]
-                assert torch.equal(torch.tensor(rows, dtype=torch.float32), want.float()), name
-            verifier = Verifier(tiny_llama_arch_dir, "float32", tied=True)
-            verdict = await verifier.check(engine, judge.url, verifier.expect(0, state))
-        assert verdict.ok and verdict.weights_supported is True and verdict.weights_checked > 0, verdict
-    finally:
-        judge.stop()
+    judge = llama_judge
+    state = state_of(tiny_llama_arch_dir)
+    async with EngineClient([judge.url], health_interval_s=0, request_timeout_s=120) as engine:
+        for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight",
+                     "model.norm.weight", "lm_head.weight"):  # fmt: skip
+            rows = await engine.weights_by_name(judge.url, name, 3)
+            want = state.get(name, state["model.embed_tokens.weight"])[:3]
+            assert torch.equal(torch.tensor(rows, dtype=torch.float32), want.float()), name
+        verifier = Verifier(tiny_llama_arch_dir, "float32", tied=True)
+        verdict = await verifier.check(engine, judge.url, verifier.expect(0, state))
+    assert verdict.ok and verdict.weights_supported is True and verdict.weights_checked > 0, verdict
 
 
-async def test_verifier_passes_bfloat16_serving(tiny_model_dir: Path, tmp_path: Path) -> None:
+async def test_verifier_passes_bfloat16_serving(tiny_model_dir: Path, bf16_judge: Judge) -> None:
     """arl's `model.dtype=bfloat16` reaches SGLang's `--dtype`; the judge's model runs in bf16 and its probe is within
     the Verifier's bf16 tolerance of the trainer's fp32 reference, yet not equal to it."""
-    port = free_port("127.0.0.1")
-    argv = launch_argv(arl_sglang_config(tiny_model_dir, "model.dtype=bfloat16"), port, tiny_model_dir, 0)
-    judge = Judge(argv, port, tmp_path / "judge")
-    try:
-        verifier = Verifier(tiny_model_dir, "bfloat16", tied=True)
-        async with client(judge) as engine:
-            verdict = await verifier.check(engine, judge.url, verifier.expect(0, state_of(tiny_model_dir)))
-        assert verdict.ok, verdict
-        assert 1e-5 < verdict.probe_max_diff <= verifier.tol.logprob_atol, verdict
-    finally:
-        judge.stop()
+    verifier = Verifier(tiny_model_dir, "bfloat16", tied=True)
+    async with client(bf16_judge) as engine:
+        verdict = await verifier.check(engine, bf16_judge.url, verifier.expect(0, state_of(tiny_model_dir)))
+    assert verdict.ok, verdict
+    assert 1e-5 < verdict.probe_max_diff <= verifier.tol.logprob_atol, verdict
