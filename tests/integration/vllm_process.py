@@ -44,8 +44,10 @@ def vllm_server(
     specs = vllm_procs(config, host="127.0.0.1", port=port, model_path=str(model_dir), version=0)
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        for i, spec in enumerate(specs):
-            procs.append(_start(spec, spec.health_url or f"http://127.0.0.1:{port}", logs / f"proc{i}.log"))
+        for i, spec in enumerate(specs):  # all at once, as the inference stage starts them (servers.py)
+            procs.append(_start(spec, logs / f"proc{i}.log"))
+        for i, (proc, spec) in enumerate(zip(procs, specs, strict=True)):
+            _wait_healthy(proc, spec.health_url or f"http://127.0.0.1:{port}", logs / f"proc{i}.log")
         yield VLLMServer(f"http://127.0.0.1:{port}", str(specs[0].health_url))
     finally:
         for proc in reversed(procs):
@@ -75,11 +77,9 @@ def with_lora(config: ArlConfig, lora: LoraConfig) -> ArlConfig:
     return config
 
 
-def _start(spec: ProcSpec, url: str, log: Path) -> subprocess.Popen[bytes]:
+def _start(spec: ProcSpec, log: Path) -> subprocess.Popen[bytes]:
     handle = open(log, "wb")  # noqa: SIM115 - owned by the child
-    proc = subprocess.Popen(spec.argv, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **spec.env})
-    _wait_healthy(proc, url, log)
-    return proc
+    return subprocess.Popen(spec.argv, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **spec.env})
 
 
 def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float = 900.0) -> None:
