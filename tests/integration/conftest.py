@@ -24,8 +24,9 @@ def shared_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     """One vLLM server (the tiny model, 2048 tokens of context) for test_vllm_backend and test_vllm_interrupt:
     starting one takes ~30 s. Each module's own fixture reloads the tiny model's weights as version 0 first
     (`vllm_process.serving`), since tests swap weights. Stopped before test_vllm_lora's starts, which these
-    modules cannot share: vLLM's LoRA flags wrap its layers (`...base_layer.weight`), so weights by name fail
-    there and the broadcast tests hung."""
+    modules do not share: they judge vLLM as a run without LoRA adapters starts it, and with vLLM's LoRA flags its
+    layers are wrapped (`...base_layer.weight`), so `/get_weights_by_name` fails there (and with it the
+    publisher's verification, on which the broadcast tests then hung)."""
     with _STOPS["shared_vllm"] as stop:
         logs = tmp_path_factory.mktemp("vllm_shared")
         yield stop.enter_context(vllm_server(tiny_model_dir, logs, max_context=2048))
