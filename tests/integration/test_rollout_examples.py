@@ -16,7 +16,7 @@ from pipeline.run.stage import StageContext
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("name", ["tool_agent.yaml", "external.yaml", "two_tasks.yaml", "demo.yaml"])
+@pytest.mark.parametrize("name", ["tool_agent.yaml", "external.yaml", "two_tasks.yaml", "demo.yaml", "tools.yaml"])
 def test_example_configs_parse(name: str) -> None:
     config = load_config(REPO / "examples" / name)
     assert all(Path(REPO / task.dataset.path).exists() for task in config.rollout.task_list())
