@@ -111,15 +111,20 @@ def outcome(answer: str, truth: int, good_calls: int) -> tuple[float, dict[str, 
     }
 
 
-class ToolsAgent:
-    """The task's agent on the OpenAI Agents SDK: the SDK runs the loop (call model, run tool, call again)."""
+class _Settings:
+    """What both agents are constructed with (`rollout.agent_kwargs`)."""
 
     required_fields = ("a", "b")
+    """Dataset fields `run` reads (`arl check` checks the dataset has them)."""
 
     def __init__(self, max_turns: int = 3, max_tokens: int = 40, model: str = "arl-policy") -> None:
         self.max_turns = max_turns
         self.max_tokens = max_tokens
         self.model = model
+
+
+class ToolsAgent(_Settings):
+    """The task's agent on the OpenAI Agents SDK: the SDK runs the loop (call model, run tool, call again)."""
 
     async def run(
         self,
@@ -180,15 +185,8 @@ CALCULATOR_TOOL = {
 both agents and the warm start put the same prompt before the model."""
 
 
-class PlainToolsAgent:
+class PlainToolsAgent(_Settings):
     """The same task and loop written by hand against the plain OpenAI SDK (no agent framework)."""
-
-    required_fields = ("a", "b")
-
-    def __init__(self, max_turns: int = 3, max_tokens: int = 40, model: str = "arl-policy") -> None:
-        self.max_turns = max_turns
-        self.max_tokens = max_tokens
-        self.model = model
 
     async def run(
         self,
