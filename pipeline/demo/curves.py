@@ -135,6 +135,7 @@ def save_png(
     for spec, points in counts:
         _line(axes[1][0], points, spec.label, ".")
         axes[1][0].set_ylabel(spec.label, fontsize="small")
+        axes[1][0].set_ylim(bottom=0)  # a count from zero: 1.98 vs 1.99 calls is not a swing
     for (row,) in axes:
         row.grid(alpha=0.3)
     axes[-1][0].set_xlabel("step (step k is trained into weight version k+1)")
