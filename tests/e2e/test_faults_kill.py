@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -167,11 +167,12 @@ def staging(*parents: Path) -> bool:
 
 
 def kill_at_random(proc: subprocess.Popen[bytes], rng: random.Random, trial: int, staged: list[Path],
-                   children: bool = False) -> str:  # fmt: skip
+                   children: bool = False, settled: Callable[[], bool] | None = None) -> str:  # fmt: skip
     """SIGKILL `proc` (and, like a Slurm job kill, its children) at a random point; say where it landed.
 
     Even trials: after a random delay. Odd trials: as soon as a temp dir appears under `staged`
-    (the stage is publishing), after a random delay of a few milliseconds.
+    (the stage is publishing), after a random delay of a few milliseconds; or at once when `settled()` says no
+    staging dir can appear any more.
     """
     import psutil
 
@@ -180,6 +181,9 @@ def kill_at_random(proc: subprocess.Popen[bytes], rng: random.Random, trial: int
     while time.monotonic() < deadline and proc.poll() is None:
         if trial % 2 == 1 and staging(*staged):
             time.sleep(delay)
+            break
+        if trial % 2 == 1 and settled is not None and settled():
+            delay = -1.0
             break
         time.sleep(0.002)
     if proc.poll() is not None:
@@ -190,7 +194,9 @@ def kill_at_random(proc: subprocess.Popen[bytes], rng: random.Random, trial: int
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
     proc.wait(timeout=60)
-    return f"killed after {delay:.2f}s" if trial % 2 == 0 else "killed while staging"
+    if trial % 2 == 0:
+        return f"killed after {delay:.2f}s"
+    return "killed with nothing left to stage" if delay < 0 else "killed while staging"
 
 
 def rollout_run(tmp_path: Path, model_dir: Path, num_steps: int, engine_url: str | None) -> RunPaths:
@@ -344,7 +350,11 @@ def test_inference_stage_killed_at_random_points(tmp_path: Path, tiny_model_dir:
                 if rollout is None or rollout.poll() is not None:
                     rollout = start_stage("rollout", paths, ro_log)
                 # even trials: a random delay; odd: when the rollout starts publishing a step
-                outcomes.append(kill_at_random(inference, rng, trial, [paths.trajectories], children=True))
+                # Nothing will stage once the rollout has exited (it fails when the servers die under it) or has
+                # published every step (the tiny agent is fast): waiting for it then only ran out the 240 s.
+                settled = lambda proc=rollout: proc.poll() is not None or len(paths.complete_steps()) >= 5  # noqa: E731
+                outcomes.append(kill_at_random(inference, rng, trial, [paths.trajectories], children=True,
+                                               settled=settled))  # fmt: skip
                 drop_dead_entries(paths)
             inference = start_stage("inference", paths, inf_log)
             try:
