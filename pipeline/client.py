@@ -40,6 +40,19 @@ from pipeline.proxy.control import HttpControl, NoCapacity, SessionClient, Sessi
 
 log = logging.getLogger("arl.client")
 
+
+def pooled_http_client(timeout_s: float) -> httpx.AsyncClient:
+    """The httpx client this module makes for many agents' calls at once: over aiohttp's pool, as the rollout's
+    inline agents get (`pipeline.proxy.services.agent_http_client`). Not httpcore's: it hands a waiting request
+    a pooled connection that still counts as idle until the request starts on it, and closes idle connections
+    that are past their keep-alive expiry, or surplus to `max_keepalive_connections` (counted over all
+    connections), in between; with many calls in flight on a busy event loop, a call then had its connection
+    closed under it after sending it ("Connection error.", the proxy seeing its client hang up)."""
+    from pipeline.proxy.services import agent_http_client
+
+    return agent_http_client(timeout_s, transport="network")
+
+
 __all__ = ["AgentRunner", "AgentSession", "RunnerSummary", "resolve_proxy_url", "resolve_proxy_urls"]
 
 
@@ -118,7 +131,7 @@ class AgentSession:
     @property
     def http(self) -> httpx.AsyncClient:
         if self._http is None:
-            self._http = httpx.AsyncClient(timeout=httpx.Timeout(600.0))
+            self._http = pooled_http_client(600.0)
         return self._http
 
     def _require(self) -> SessionInfo:
@@ -230,7 +243,7 @@ class AgentRunner:
         started = time.monotonic()
         prefix = uuid.uuid4().hex[:8]
         limit = asyncio.Semaphore(self.max_concurrency)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(self.run_timeout_s + 60)) as http:
+        async with pooled_http_client(self.run_timeout_s + 60) as http:
 
             async def one(index: int, data: dict[str, Any]) -> None:
                 async with limit:

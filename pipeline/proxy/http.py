@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -233,6 +234,13 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, ApiError],
         response = error_response(request.url.path, ApiError(exc.status_code, message))
         response.headers.update(exc.headers or {})  # a 405's `Allow` (RFC 9110: the methods the path serves)
         return response
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> Response:
+        # The caller hung up before its request was read (an agent cancelled, or its HTTP pool closed the
+        # connection): nothing was done for it and nobody reads an answer. Not a bug, so no traceback.
+        log.warning("%s %s: the client hung up before its request was read", request.method, request.url.path)
+        return error_response(request.url.path, ApiError(400, "the client disconnected before its request was read"))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:

@@ -51,7 +51,7 @@ async def _two_turns(session: Any, index: int) -> int:
 async def test_256_concurrent_sessions_over_two_workers_are_each_recorded_once(
     tmp_path: Path, tiny_model_dir: Path, engine_url: str
 ) -> None:
-    from pipeline.client import AgentSession, resolve_proxy_urls
+    from pipeline.client import AgentSession, pooled_http_client, resolve_proxy_urls
     from pipeline.rollout.external import run_external
     from pipeline.run.shards import read_manifest, read_step
 
@@ -73,7 +73,7 @@ async def test_256_concurrent_sessions_over_two_workers_are_each_recorded_once(
             billed[session.session_id] = await _two_turns(session, index)
             workers[session.session_id[:2]] += 1
 
-    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=None)) as http:
+    async with pooled_http_client(300) as http:
         await asyncio.gather(*(one(i, http) for i in range(SESSIONS)))
     assert await asyncio.wait_for(stage, 120) == [0, 1]
     assert workers == {"00": SESSIONS // 2, "01": SESSIONS // 2}, "each session's id names the worker it lives on"

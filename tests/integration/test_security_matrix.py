@@ -270,3 +270,24 @@ def test_keys_never_in_logs_or_error_bodies(proxy: Proxy) -> None:
             if path == "/rl/start_session" and status == 200:
                 continue  # the reply that hands out a session key
             assert secret_of(key) not in text, f"a key was echoed by {path} ({status})"
+
+
+def test_a_client_that_hangs_up_mid_request_is_one_log_line_and_the_proxy_serves_on(proxy: Proxy) -> None:
+    """A caller gone before its body arrived (an agent cancelled, a pool closing a connection): the proxy logs one
+    line, not an 'unhandled error' traceback, and goes on serving."""
+    import time
+
+    session = start(proxy, proxy.clients[0])
+    host, port = proxy.url.removeprefix("http://").rsplit(":", 1)
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {session['api_key']}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 400\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        raw.sendall(head.encode() + b'{"model": "m", "messages": [')  # and hang up, 372 bytes short
+    deadline = time.monotonic() + 30
+    while "the client hung up before its request was read" not in proxy.log.read_text():
+        assert time.monotonic() < deadline, "the proxy never noticed the hang-up"
+        time.sleep(0.1)
+    assert "unhandled error" not in proxy.log.read_text()
+    assert call(proxy, "GET", "/v1/models", session["api_key"]).status_code == 200  # (another test stops the engine)
