@@ -26,9 +26,9 @@ entirely to RL.
 
 Two agents pose the same task: `ToolsAgent`, written against the OpenAI Agents SDK (a
 `function_tool` and the SDK's own runner loop; the demo's), and `PlainToolsAgent`, the same loop
-written by hand against the plain OpenAI SDK (`examples/tools_plain.yaml`). Both report the metrics
-`exact_correct` (the final answer is right) and `used_tool` (at least one well-formed calculator
-call). Neither contains any arl code.
+written by hand against the plain OpenAI SDK (`arl launch examples/tools.yaml
+rollout.agent=examples/tools_agent.py:PlainToolsAgent`). Both report the metrics `exact_correct` (the final
+answer is right) and `used_tool` (at least one well-formed calculator call). Neither contains any arl code.
 """
 
 from __future__ import annotations

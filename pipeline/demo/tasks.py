@@ -105,14 +105,13 @@ def task_named(name: str) -> DemoTask:
 
 def demo_file_overrides(task: DemoTask = REPEAT) -> list[str]:
     """The task config's agent and dataset (and eval sets) as absolute paths, so its run works from any directory."""
-    config = yaml.safe_load(task.config.read_text()) if task.config.exists() else None
     for path in task.files():
         if not path.exists():
             raise ArlError(
                 f"the demo's file {path} is missing from the installed arl package; reinstall arl "
                 "(`pip install --force-reinstall arl`, or `pip install -e .` in a checkout)"
             )
-    assert config is not None
+    config = yaml.safe_load(task.config.read_text())
     data = EXAMPLES / Path(config["rollout"]["dataset"]["path"]).relative_to("examples")
     overrides = [
         f"rollout.agent={yaml_str(f'{task.agent}:{task.agent_class}')}",
