@@ -5,16 +5,22 @@ Usage: python benchmarks/_trl_tools.py SPEC.json RESULT.json
 The parent builds SPEC with `capture_tool_prompts` and `tool_spec` (light imports, no TRL): the prompts of arl's
 schedule as the task's agent sends them (its first request, captured in-process), the tool schema that request
 carries, the agent's turn limits and the `trl.GRPOConfig` options. This process then trains with TRL's own
-multi-turn loop (`environment_factory`): `LookupEnvironment.reset` keeps the row's `key`, its `lookup` method
-calls the task's own `look_up`, and the reward function calls the task's own `outcome` (its `score`, plus the
-metrics exact_correct and used_tool) on the episode's final assistant message.
+multi-turn loop, given the tool as a plain function (`tools=[calculator]`, see `make_calculator`): it calls the
+task's own `calculate`, and the reward function calls the task's own `outcome` (its `score`, plus the metrics
+exact_correct and used_tool) on the episode's final assistant message, with the truth a + b of the prompt's row.
+
+Why a plain tool and not `environment_factory`: the calculator is stateless, so an episode needs no state of its
+own; the one per-episode figure the agent keeps, its count of well-formed calls (`used_tool`), is a function of
+the episode's messages, which TRL hands the reward function (`well_formed_calls`). An environment would only carry
+that counter, through an API TRL 1.16 still calls experimental.
 
 Two adjustments make TRL's episode the agent's (the parent's docstring lists what still differs):
-* the tool's JSON schema: TRL renders a tool method through transformers' `get_json_schema` (signature and
-  docstring), the Agents SDK sends its own strict schema, and the model was warm-started with the SDK's in its
-  prompt. `patch_tool_schema` makes `get_json_schema` return the captured schema for `LookupEnvironment.lookup`
-  (and only it), in `transformers.utils.chat_template_utils` (where `render_jinja_template`, hence
-  `apply_chat_template`, looks it up at call time) and in the response parser (which casts parsed arguments);
+* the tool's JSON schema: TRL renders a tool function through transformers' `get_json_schema` (signature and
+  docstring), the Agents SDK sends its own strict schema (the task's `CALCULATOR_TOOL`), and the model was
+  warm-started with the SDK's in its prompt. `patch_tool_schema` makes `get_json_schema` return the captured
+  schema for the calculator function (and only it), in `transformers.utils.chat_template_utils` (where
+  `render_jinja_template`, hence `apply_chat_template`, looks it up at call time) and in the response parser
+  (which casts parsed arguments);
 * parsing the model's tool calls: the tiny model's chat template is Qwen2.5's with three extensions, so TRL's
   `add_response_schema` does not recognise it; the tokenizer gets the `response_template` that helper sets for
   Qwen2.5's template (`trl.chat_template_utils.qwen3_template`: `<tool_call>` JSON blocks, content up to
@@ -36,7 +42,7 @@ import asyncio  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -44,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run as `python benchmarks/_trl_tools.py`: the root, for `benchmarks.` imports
 
-CAPTURE_REPLY = "The code is 000."
+CAPTURE_REPLY = "The answer is 0."
 """What the capture answers the agent's first request with: a final answer, so the agent makes one request."""
 TOOL_SPANS_KEPT = 400
 """Distinct tool spans recorded per step (enough to meet arl's for the same tool results)."""
@@ -120,41 +126,51 @@ def tool_spec(
 # --------------------------------------------------------------------------- the episode (this process)
 
 
-class LookupEnvironment:
-    """One episode's tool state, as the agent's `lookup` closure holds it: the row's code book and the good calls."""
+TOOL_NAME = "calculator"
+"""The tool's name, as the agent's `function_tool` and `CALCULATOR_TOOL` give it."""
 
-    def __init__(self, look_up: Callable[[str, int], str], refusal: str) -> None:
-        self._look_up = look_up
-        self._refusal = refusal
-        self.key = 0
-        self.good_calls = 0
 
-    def reset(self, key: int, **_: Any) -> None:
-        self.key, self.good_calls = int(key), 0
+def make_calculator(calculate: Callable[[str], str], refusal: str) -> Callable[..., str]:
+    """The agent's `calculator` tool as a plain function for TRL (which keys tools by `__name__`)."""
 
-    def lookup(self, order: str | None = None, **_ignored: Any) -> str:
-        """Look up the code of an order.
-
-        Args:
-            order: The order number.
-        """
+    def calculator(expression: Any = None, **_ignored: Any) -> str:
         # The SDK validates the arguments with its pydantic model before calling the tool (other keys ignored;
-        # a missing or non-string `order` fails) and answers a failure with its fixed refusal; so does this.
-        if not isinstance(order, str):
-            return self._refusal
-        self.good_calls += 1
-        return self._look_up(order, self.key)
+        # a missing or non-string `expression` fails) and answers a failure with its fixed refusal; so does this.
+        if not isinstance(expression, str):
+            return refusal
+        return calculate(expression)
+
+    return calculator
 
 
-def patch_tool_schema(schema: dict[str, Any]) -> None:
-    """`get_json_schema` returns `schema` for `LookupEnvironment.lookup`, transformers' own result otherwise."""
+def well_formed_calls(messages: list[dict[str, Any]]) -> int:
+    """The agent's `good_calls` for an episode: the model's calculator calls whose arguments the SDK accepts (an
+    object with a string `expression`), the last turn's included (the SDK runs its tool before it stops)."""
+    return sum(1 for call in _tool_calls(messages) if call.get("name") == TOOL_NAME and _has_expression(call))
+
+
+def _has_expression(call: dict[str, Any]) -> bool:
+    arguments = call.get("arguments")
+    return isinstance(arguments, dict) and isinstance(arguments.get("expression"), str)
+
+
+def _tool_calls(messages: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for message in messages:
+        if message.get("role") == "assistant":
+            for call in message.get("tool_calls") or []:
+                if isinstance(call, dict) and isinstance(call.get("function"), dict):
+                    yield call["function"]
+
+
+def patch_tool_schema(schema: dict[str, Any], tool: Callable[..., Any]) -> None:
+    """`get_json_schema` returns `schema` for `tool`, transformers' own result otherwise."""
     from transformers.utils import chat_template_utils
     from transformers.utils.chat_parsing import response_parser
 
     original = chat_template_utils.get_json_schema
 
     def get_json_schema(func: Callable[..., Any]) -> dict[str, Any]:
-        if isinstance(getattr(func, "__self__", None), LookupEnvironment):
+        if func is tool:
             return copy.deepcopy(schema)
         return original(func)
 
@@ -184,13 +200,14 @@ class Record:
 
 
 def make_reward(spec: dict[str, Any], namespace: dict[str, Any], record: Record) -> Callable[..., list[float]]:
-    """TRL's reward function: the task's own `outcome` (score and metrics) of each episode's final answer."""
-    outcome, truth_of = namespace["outcome"], namespace["truth_of"]
-    prompts = spec["prompts"]
+    """TRL's reward function: the task's own `outcome` (score and metrics) of each episode's final answer, against
+    the truth a + b of the episode's row, with the episode's well-formed calculator calls as the agent counts them."""
+    outcome = namespace["outcome"]
+    truths = [int(p["data"]["a"]) + int(p["data"]["b"]) for p in spec["prompts"]]
 
-    def reward(completions: list[Any], prompt_index: list[int], environments: list[Any], **_: Any) -> list[float]:
-        results = [outcome(final_answer(c), truth_of(prompts[i]["data"]), env.good_calls)
-                   for c, i, env in zip(completions, prompt_index, environments, strict=True)]  # fmt: skip
+    def reward(completions: list[Any], prompt_index: list[int], **_: Any) -> list[float]:
+        results = [outcome(final_answer(c), truths[i], well_formed_calls(c))
+                   for c, i in zip(completions, prompt_index, strict=True)]  # fmt: skip
         rewards = [float(r) for r, _ in results]
         infos = [{**{k: float(v) for k, v in m.items()}, "turns_mean": float(_model_turns(c))}
                  for (_, m), c in zip(results, completions, strict=True)]  # fmt: skip
@@ -252,17 +269,14 @@ def build_trainer(spec: dict[str, Any], record: Record) -> tuple[Any, dict[str, 
 
     namespace = agent_namespace(resolve_agent(spec["agent"], spec["agent_kwargs"], mode=spec["agent_mode"]))
     (schema,) = spec["tools"]
-    patch_tool_schema(schema)
     refusal = default_tool_error_function(None, ValueError("arguments do not match the tool's schema"))  # type: ignore[arg-type]
-
-    def factory() -> LookupEnvironment:
-        return LookupEnvironment(namespace["look_up"], refusal)
-
+    calculator = make_calculator(namespace["calculate"], refusal)
+    patch_tool_schema(schema, calculator)
     tokenizer = AutoTokenizer.from_pretrained(spec["model_path"], padding_side="left")
     checks = {"supports_tool_calling": supports_tool_calling(tokenizer),
               "response_template_before": getattr(tokenizer, "response_template", None) is not None}  # fmt: skip
     tokenizer.response_template = qwen3_template
-    longest = max(len(_render(tokenizer, p["messages"], factory())) for p in spec["prompts"])
+    longest = max(len(_render(tokenizer, p["messages"], calculator)) for p in spec["prompts"])
     options = {**spec["trl_kwargs"], "max_completion_length": spec["max_context"] - longest}
     checks["max_completion_length"] = options["max_completion_length"]
     trainer_class = _recording_trainer(GRPOTrainer, record)
@@ -275,15 +289,16 @@ def build_trainer(spec: dict[str, Any], record: Record) -> tuple[Any, dict[str, 
     model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
     trainer = trainer_class(model=model, reward_funcs=make_reward(spec, namespace, record),
                             args=GRPOConfig(**options), train_dataset=Dataset.from_list(rows),
-                            processing_class=tokenizer, environment_factory=factory,
+                            processing_class=tokenizer, tools=[calculator],
                             callbacks=[StepEnds()])  # fmt: skip
     checks["chat_template_replaced_by_trl"] = trainer.chat_template is not None
-    checks["tool_suffix_example"] = trainer._get_tool_suffix_ids([{"role": "tool", "name": "lookup", "content": "123"}])
+    suffix = trainer._get_tool_suffix_ids([{"role": "tool", "name": TOOL_NAME, "content": "731"}])
+    checks["tool_suffix_example"] = suffix
     return trainer, checks
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], env: LookupEnvironment) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, tools=[env.lookup], add_generation_prompt=True,
+def _render(tokenizer: Any, messages: list[dict[str, Any]], tool: Callable[..., str]) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, tools=[tool], add_generation_prompt=True,
                                               tokenize=True, return_dict=False))  # fmt: skip
 
 

@@ -1,16 +1,18 @@
 """arl against TRL's GRPOTrainer on the multi-turn tool task of `arl demo --task tools`, side by side, per seed.
 
-The task (examples/tools_agent.py): "What is the code of order 483?"; every dataset row has a code book of its own
-(its `key`), read only by the `lookup` tool; the agent calls the tool, gets a three-digit code and answers "The
-code is NNN."; the reward is the fraction of the code's digits the answer has right. For each seed, two runs of
-`--steps` steps (default: examples/tools.yaml's num_steps), one after the other so a change in the machine's load
-touches both alike, on one model (`--model`, else the task's tiny model made in the work dir):
-  trl        TRL 1.16 `GRPOTrainer` in its own process (benchmarks/_trl_tools.py) with its multi-turn tool loop
-             (`environment_factory`: an environment whose `reset` keeps the row's key and whose `lookup` calls the
-             task's own `look_up`; the reward is the task's own `outcome` of the final assistant message). Its
-             prompts are arl's schedule in arl's order as the agent (OpenAI Agents SDK) writes them, rendered with
-             the SDK's strict tool schema (`get_json_schema` patched for the lookup method only), checked token for
-             token against arl's shards; the options are examples/tools.yaml's (`_trl_align.grpo_config_kwargs`:
+The task (examples/tools_agent.py): "What is 673 + 58?" (rows {id, a, b}; the truth is a + b); the agent calls its
+stateless `calculator(expression)` tool, reads the result and answers "The answer is N."; the reward is the task's
+`score` of the final answer (1 if right, else 0.5 x closeness within 100, 0 if not a number). For each seed, two
+runs of `--steps` steps (default: examples/tools.yaml's num_steps), one after the other so a change in the
+machine's load touches both alike, on one model (`--model`, else the task's tiny model made in the work dir):
+  trl        TRL 1.16 `GRPOTrainer` in its own process (benchmarks/_trl_tools.py) with its multi-turn tool loop,
+             given the tool as a plain function (`tools=[calculator]`, calling the task's own `calculate`; no
+             `environment_factory`: the tool keeps no state, and the agent's count of well-formed calls, all that
+             used_tool needs, is read off the episode's messages in the reward function); the reward is the task's
+             own `outcome` of the final assistant message. Its prompts are arl's schedule in arl's order as the
+             agent (OpenAI Agents SDK) writes them, rendered with the SDK's strict tool schema (`get_json_schema`
+             patched for the calculator function only; checked to be the module's `CALCULATOR_TOOL`), checked token
+             for token against arl's shards; the options are examples/tools.yaml's (`_trl_align.grpo_config_kwargs`:
              lr, warm-up, cosine schedule and min_lr_ratio, Adam eps, grad clip, kl_coef as beta, group size, batch,
              minibatches, temperature, token-level loss) plus the agent's turn limits below;
   arl-sync   `arl demo --task tools --max-staleness 0` (the real pipeline: inference server, proxy, the unmodified
@@ -24,15 +26,15 @@ What TRL's loop expresses as the agent's, and what it cannot:
   first turn and post-tool turns alike), and `max_completion_length` (its budget for the whole episode) is what
   arl's `model.max_context` leaves after the prompt, as arl's proxy caps each call by the context's room. An episode
   whose last allowed turn calls the tool again scores 0 on both sides (the SDK raises MaxTurnsExceeded, the agent
-  answers ""; TRL stops with a tool-call message, scored as ""). The SDK runs that last call's tool (it can only
-  count towards used_tool), TRL does not.
+  answers ""; TRL stops with a tool-call message, scored as ""). The SDK runs that last call's tool, TRL does not;
+  it can only count towards used_tool, and both sides count it (TRL's from the messages).
 * tool calls: TRL parses them with the Qwen2.5 response template of its own `add_response_schema` (set by hand:
   the tiny model's template is Qwen2.5's with extensions TRL does not recognise), arl's proxy with its `hermes`
   parser. They agree on well-formed calls and on a `<tool_call>` block whose JSON does not parse (text: the final
   answer, scored 0). They differ on a complete call not closed by `</tool_call>` before the end of the turn (a call
   for arl, text for TRL) and on a call naming another tool (the SDK raises and arl drops the episode, counted in
   `agent_errors` below; TRL answers `{'error': ...}` and goes on). The arguments are checked as the SDK checks
-  them (other keys ignored; a missing or non-string `order` gets the SDK's refusal sentence, not a lookup).
+  them (other keys ignored; a missing or non-string `expression` gets the SDK's refusal sentence, not a result).
 * tokens: both train the sampled tokens as sampled, with the tool results masked out; TRL inserts the tool span
   from its template rendering (`_get_tool_suffix_ids`), arl's proxy from the agent's next request. The spans are
   compared for every tool result both runs produced (below). A prefix break in arl (`prefix_breaks` below) cuts
@@ -46,8 +48,9 @@ seconds per step; arl-sync - TRL paired by seed (mean difference and its 95% Stu
 over the last 20%, for the reward and the exact-correct rate). Goal: arl-sync's reward per step within noise of
 TRL's (the 95% interval of the paired mean difference contains 0). On a shared machine the times move with its load.
 Cost: at the config's batch (32 prompts x 8) a step took ~13-30 s of TRL and ~25-30 s of arl-sync on a busy
-2-core machine, so the defaults (5 seeds x 100 steps) run for hours, past `arl bench`'s one-hour limit per
-script: run it directly, or with fewer --seeds/--steps.
+2-core machine (measured on an earlier version of this task, with episodes of similar length), so the defaults
+(5 seeds x 100 steps) run for hours, past `arl bench`'s one-hour limit per script: run it directly, or with fewer
+--seeds/--steps.
 Usage: python benchmarks/vs_trl_tools.py [--seeds 5] [--steps N] [--workdir DIR] [--model DIR] [--batch-size B]
 """
 
@@ -163,7 +166,7 @@ def run_trl(workdir: Path, model_dir: Path, steps: int, seed: int, overrides: li
     spec = tool_spec(config, calls, seed=seed, output_dir=str(workdir / f"trl-{seed}"), model_path=str(model_dir))
     spec_path, result_path = workdir / f"trl-{seed}.spec.json", workdir / f"trl-{seed}.result.json"
     spec_path.write_text(json.dumps(spec))
-    print(f"-- trl seed {seed}: GRPOTrainer with environment_factory, the task's look_up and outcome ...", flush=True)
+    print(f"-- trl seed {seed}: GRPOTrainer with tools=[calculator], the task's calculate and outcome ...", flush=True)
     load, started = os.getloadavg()[0], time.time()
     omp = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}  # as vs_trl.py: idle threads sleep
     cpu_s = _run_logged([sys.executable, str(HERE / "_trl_tools.py"), str(spec_path), str(result_path)],
@@ -176,8 +179,8 @@ def run_trl(workdir: Path, model_dir: Path, steps: int, seed: int, overrides: li
               reward_at=[t - started for t in out["reward_times"]], loop_s=ends - out["train_begin"],
               loop_start=out["train_begin"] - started, process_s=process_s, info=info,
               prompts=[sorted(map(tuple, ids)) for ids in out["prompt_ids"]], load=load, cpu_s=cpu_s)  # fmt: skip
-    schema_is_module_constant = _module_tool(config) == spec["tools"][0]
-    checks = {**out["checks"], "tool_spans": out["tool_spans"], "sdk_schema_is_LOOKUP_TOOL": schema_is_module_constant,
+    same_schema = _module_tool(config) == spec["tools"][0]
+    checks = {**out["checks"], "tool_spans": out["tool_spans"], "sdk_schema_is_CALCULATOR_TOOL": same_schema,
               "trl_log": _log_means(out["log"])}  # fmt: skip
     return run, checks
 
@@ -187,7 +190,7 @@ def _module_tool(config: Any) -> Any:
     from pipeline.agents.loading import resolve_agent
 
     rollout = config.rollout
-    return agent_namespace(resolve_agent(rollout.agent, rollout.agent_kwargs, mode=rollout.mode)).get("LOOKUP_TOOL")
+    return agent_namespace(resolve_agent(rollout.agent, rollout.agent_kwargs, mode=rollout.mode)).get("CALCULATOR_TOOL")
 
 
 def _log_means(log: list[dict[str, Any]]) -> dict[str, float]:
@@ -308,7 +311,7 @@ def report(runs: list[Run], checks: dict[int, dict[str, Any]], steps: int) -> No
     for key, value in {**figures, **ratios, **targets}.items():
         print(f"{key}: {value}")
     print("RESULT " + json.dumps({"name": "vs_trl_tools", "figures": figures, "ratios": ratios, "targets": targets,
-                                  "reference": "TRL 1.16 GRPOTrainer (environment_factory tool loop), same model, "
+                                  "reference": "TRL 1.16 GRPOTrainer (tool loop, tools=[calculator]), same model, "
                                                "prompts, tool schema, reward and options, run in the same session "
                                                "(times: whole process)"}))  # fmt: skip
 
@@ -357,8 +360,8 @@ def check_figures(checks: dict[int, dict[str, Any]]) -> dict[str, Any]:
         "TRL supports_tool_calling (tiny model's template)": all(checks[s]["supports_tool_calling"] for s in seeds),
         "TRL replaced the chat template (not prefix-preserving)": any(
             checks[s]["chat_template_replaced_by_trl"] for s in seeds),
-        "the SDK's tool schema is the agent module's LOOKUP_TOOL": all(
-            checks[s]["sdk_schema_is_LOOKUP_TOOL"] for s in seeds),
+        "the SDK's tool schema is the agent module's CALCULATOR_TOOL": all(
+            checks[s]["sdk_schema_is_CALCULATOR_TOOL"] for s in seeds),
         "TRL's episode budget (max_completion_length), tokens": checks[seeds[0]]["max_completion_length"],
     }  # fmt: skip
 
