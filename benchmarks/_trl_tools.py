@@ -50,6 +50,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run as `python benchmarks/_trl_tools.py`: the root, for `benchmarks.` imports
 
+from benchmarks import _trl_grpo  # noqa: E402
+
 CAPTURE_REPLY = "The answer is 0."
 """What the capture answers the agent's first request with: a final answer, so the agent makes one request."""
 TOOL_SPANS_KEPT = 400
@@ -187,15 +189,11 @@ def final_answer(messages: list[dict[str, Any]]) -> str:
     return str(last.get("content") or "")
 
 
-class Record:
-    """What the run produced, filled in by the reward function, the callback and the trainer subclass."""
+class Record(_trl_grpo.Record):
+    """`_trl_grpo`'s record of a run, plus the tool spans TRL inserted per step."""
 
     def __init__(self) -> None:
-        self.rewards: list[list[float]] = []
-        self.reward_times: list[float] = []
-        self.info: list[dict[str, float]] = []
-        self.step_ends: list[float] = []
-        self.prompt_ids: list[list[list[int]]] = []
+        super().__init__()
         self.tool_spans: list[dict[str, list[int]]] = []
 
 
