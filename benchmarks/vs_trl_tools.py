@@ -237,7 +237,13 @@ def run_arl(workdir: Path, model_dir: Path, steps: int, seed: int, overrides: li
 def compare_tokens(trl: Run, sync: Run, trl_spans: list[dict[str, list[int]]], model_dir: Path) -> dict[str, Any]:
     """TRL's prompt token ids against arl's shards (per step, as multisets), and the tool spans (the tokens
     between two model turns) of every tool result both runs produced."""
-    differing = [k for k, (a, b) in enumerate(zip(trl.prompts, sync.prompts, strict=True)) if a != b]
+    differing, dropped = [], 0
+    for k, (a, b) in enumerate(zip(trl.prompts, sync.prompts, strict=True)):
+        missing = _dropped_episodes(a, b, int(sync.info["agent_errors"][k]))
+        if missing is None:
+            differing.append(k)
+        else:
+            dropped += missing
     trl.prompts_identical = not differing
     detail = ""
     if differing:
@@ -252,8 +258,22 @@ def compare_tokens(trl: Run, sync: Run, trl_spans: list[dict[str, list[int]]], m
     shared = sorted(set(theirs) & set(ours))
     unequal = [t for t in shared if theirs[t] != ours[t]]
     return {"prompts_identical": not differing, "prompts_differ_at_steps": differing[:5], "prompts_detail": detail,
+            "episodes_arl_dropped": dropped,
             "tool_spans_shared": len(shared), "tool_spans_differing": len(unequal),
             "tool_span_example": {"text": shared[0], "ids": theirs[shared[0]]} if shared else None}  # fmt: skip
+
+
+def _dropped_episodes(trl: list[Any], arl: list[Any], agent_errors: int) -> int | None:
+    """How many of a step's TRL prompts arl has no row for, if that is all that differs and no more than the step's
+    episodes the agent raised in (arl records none of those: a call naming another tool makes the SDK raise); None
+    if arl has a prompt TRL lacks, or misses more than that."""
+    from collections import Counter
+
+    theirs, ours = Counter(trl), Counter(arl)
+    if ours - theirs:
+        return None
+    missing = sum((theirs - ours).values())
+    return missing if missing <= agent_errors else None
 
 
 def arl_tool_spans(run: Run, model_dir: Path) -> dict[str, list[int]]:
@@ -287,6 +307,8 @@ def arl_tool_spans(run: Run, model_dir: Path) -> dict[str, list[int]]:
 
 def print_checks(seed: int, checks: dict[str, Any]) -> None:
     verdict = "identical" if checks["prompts_identical"] else f"DIFFER ({checks['prompts_detail']})"
+    if checks["prompts_identical"] and checks["episodes_arl_dropped"]:
+        verdict += f" for every episode arl recorded ({checks['episodes_arl_dropped']} dropped: the agent raised)"
     print(f"   seed {seed}: prompt token ids, TRL vs arl's shards (every step, as multisets): {verdict}")
     print(f"   seed {seed}: tool spans, TRL vs arl, for the {checks['tool_spans_shared']} tool results both produced: "
           f"{checks['tool_spans_differing']} differ; TRL supports_tool_calling={checks['supports_tool_calling']}, "
@@ -354,6 +376,8 @@ def check_figures(checks: dict[int, dict[str, Any]]) -> dict[str, Any]:
     return {
         "prompt token ids identical, TRL vs arl's shards (all seeds, all steps)": all(
             checks[s]["prompts_identical"] for s in seeds),
+        "episodes arl dropped (the agent raised; TRL's prompts for them not in arl's shards), per seed": ", ".join(
+            str(checks[s]["episodes_arl_dropped"]) for s in seeds),
         "tool spans compared (tool results both produced), per seed": ", ".join(
             str(checks[s]["tool_spans_shared"]) for s in seeds),
         "tool spans differing, per seed": ", ".join(str(checks[s]["tool_spans_differing"]) for s in seeds),
