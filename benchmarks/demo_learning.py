@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +26,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks._workdir import work_dir  # noqa: E402
 
 GOAL_AFTER = 0.8
 GOAL_BEFORE = 0.05
@@ -53,13 +53,9 @@ def main() -> int:
     args = parse_args()
     from pipeline.demo.demo_run import MODEL_NAME, ensure_tiny_model
 
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="arl-demo-learning-")).resolve()
-    try:
+    with work_dir(args.workdir, "arl-demo-learning-") as workdir:
         ensure_tiny_model(workdir / MODEL_NAME)  # made once, before any timed run
         runs = [run_seed(workdir, seed, args.steps, args.set) for seed in range(args.seeds)]
-    finally:
-        if not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
     report(runs)
     return 0
 

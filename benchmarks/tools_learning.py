@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks._workdir import work_dir  # noqa: E402
 from benchmarks.demo_learning import SeedRun, run_seed  # noqa: E402
 
 GOALS = {"before": 0.05, "after": 0.9, "wall_s": 15 * 60, "used_tool": 0.9, "two_turns": 0.8, "tokens": 0.5}
@@ -57,8 +56,7 @@ def main() -> int:
     args = parse_args()
     from pipeline.demo.tasks import TOOLS, ensure_tiny_model
 
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="arl-tools-learning-")).resolve()
-    try:
+    with work_dir(args.workdir, "arl-tools-learning-") as workdir:
         ensure_tiny_model(workdir / TOOLS.model_name, TOOLS)  # made once, before any timed run
         runs = [measure(f"seed {s}", run_seed(workdir, s, args.steps, args.set, "tools")) for s in range(args.seeds)]
         compared = []
@@ -68,9 +66,6 @@ def main() -> int:
                 ("individual discount 0.5", ["rollout.export_style=individual", "rollout.discount=0.5"]),
             ):
                 compared.append(measure(label, run_seed(workdir, 0, args.steps, [*args.set, *extra], "tools")))
-    finally:
-        if not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
     report(runs, compared)
     return 0
 

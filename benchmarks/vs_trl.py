@@ -34,11 +34,9 @@ import importlib.util
 import json
 import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +46,8 @@ HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # run as `python benchmarks/vs_trl.py`: the root, for `benchmarks.` imports
+from benchmarks._workdir import work_dir  # noqa: E402
+
 TRL_VERSION = "1.16"
 LABELS = ("trl", "arl-sync", "arl-async")
 GOAL_ASYNC_SPEEDUP = 2.0
@@ -95,21 +95,17 @@ def main() -> int:
     require_trl()
     from pipeline.demo.demo_run import DEMO_CONFIG, MODEL_NAME, ensure_tiny_model
 
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="arl-vs-trl-")).resolve()
-    model_dir = ensure_tiny_model(workdir / MODEL_NAME)  # the directory every run loads (arl demo makes it there)
     steps = args.steps or min(DEFAULT_STEPS, int(_yaml(DEMO_CONFIG)["num_steps"]))
-    print(f"vs_trl: {args.seeds} seeds x {steps} steps; TRL, arl-sync, arl-async per seed; work dir {workdir}")
     runs: list[Run] = []
-    try:
+    with work_dir(args.workdir, "arl-vs-trl-") as workdir:
+        print(f"vs_trl: {args.seeds} seeds x {steps} steps; TRL, arl-sync, arl-async per seed; work dir {workdir}")
+        model_dir = ensure_tiny_model(workdir / MODEL_NAME)  # the directory every run loads (arl demo makes it)
         for seed in range(args.seeds):
             overrides = seed_overrides(seed)
             runs.append(run_trl(workdir, model_dir, steps, seed, overrides))
             for label, staleness in (("arl-sync", 0), ("arl-async", 1)):
                 runs.append(run_arl(label, workdir, steps, seed, staleness, overrides))
             report_prompt_check(runs[-3:])
-    finally:
-        if not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
     report(runs, steps, args)
     return 0
 
@@ -197,45 +193,70 @@ def run_trl(workdir: Path, model_dir: Path, steps: int, seed: int, overrides: li
 
 def run_arl(label: str, workdir: Path, steps: int, seed: int, staleness: int, overrides: list[str]) -> Run:
     """`arl demo` as a person runs it (all its processes); its metrics files give the per-step figures."""
+    from pipeline.demo.demo_run import MODEL_NAME
+
+    cmd = [sys.executable, "-m", "pipeline.cli", "demo", *overrides, "--steps", str(steps), "--out", str(workdir),
+           "--max-staleness", str(staleness)]  # fmt: skip
+    print(f"-- {label} seed {seed}: arl demo --max-staleness {staleness} ...", flush=True)
+    demo = run_demo(cmd, workdir / "demo", workdir / f"{label}-{seed}.log", workdir / MODEL_NAME, steps)
+    return demo.run(label, seed, info=_arl_info(demo.rollout))
+
+
+@dataclass
+class DemoRun:
+    """One finished `arl demo`: its run directory, metrics rows (by step) and what its processes cost."""
+
+    run_dir: Path
+    rollout: list[dict[str, Any]]
+    train: list[dict[str, Any]]
+    started: float
+    """time.time() when the command started."""
+    process_s: float
+    load: float
+    cpu_s: float
+
+    def run(self, label: str, seed: int, info: dict[str, list[float]]) -> Run:
+        from pipeline.run.paths import RunPaths
+
+        first = float(self.rollout[0]["time"]) - float(self.rollout[0]["time_step_s"])
+        return Run(
+            label,
+            seed,
+            rewards=[float(r["reward_mean"]) for r in self.rollout],
+            reward_at=[float(r["time"]) - self.started for r in self.rollout],
+            loop_s=float(self.train[-1]["time"]) - first,
+            loop_start=first - self.started,
+            process_s=self.process_s,
+            info=info,
+            prompts=_arl_prompts(RunPaths(self.run_dir), len(self.rollout)),
+            load=self.load,
+            timeline=_arl_timeline(self.rollout, self.train),
+            cpu_s=self.cpu_s,
+            run_dir=self.run_dir,
+        )
+
+
+def run_demo(cmd: list[str], demo_dir: Path, log: Path, model_dir: Path, steps: int) -> DemoRun:
+    """Run an `arl demo` command to its end and read its new run directory under `demo_dir`, checking it trained
+    `model_dir` (the model the TRL side loads) for `steps` steps."""
     from pipeline.run.config import config_from_run_dir
     from pipeline.run.paths import RunPaths
     from pipeline.run.sinks import read_jsonl
 
-    demo_dir = workdir / "demo"
     before = set(demo_dir.iterdir()) if demo_dir.exists() else set()
-    cmd = [sys.executable, "-m", "pipeline.cli", "demo", *overrides, "--steps", str(steps), "--out", str(workdir),
-           "--max-staleness", str(staleness)]  # fmt: skip
-    print(f"-- {label} seed {seed}: arl demo --max-staleness {staleness} ...", flush=True)
     load, started = os.getloadavg()[0], time.time()
-    cpu_s = _run_logged(cmd, workdir / f"{label}-{seed}.log")
+    cpu_s = _run_logged(cmd, log, {"COLUMNS": "120"})
     process_s = time.time() - started
     (run_dir,) = [p for p in set(demo_dir.iterdir()) - before if p.is_dir()]
     used = Path(config_from_run_dir(run_dir).model.path).resolve()
-    from pipeline.demo.demo_run import MODEL_NAME
-
-    if used != (workdir / MODEL_NAME).resolve():
-        raise RuntimeError(f"{run_dir} trained {used}, not the model TRL trains ({workdir / MODEL_NAME})")
+    if used != model_dir.resolve():
+        raise RuntimeError(f"{run_dir} trained {used}, not the model TRL trains ({model_dir})")
     paths = RunPaths(run_dir)
     rollout = sorted(read_jsonl(paths.rollout_metrics), key=lambda r: int(r["step"]))
     train = sorted(read_jsonl(paths.train_metrics), key=lambda r: int(r["step"]))
     if len(rollout) != steps or len(train) != steps:
         raise RuntimeError(f"{run_dir}: {len(rollout)} rollout and {len(train)} train rows for {steps} steps")
-    first = float(rollout[0]["time"]) - float(rollout[0]["time_step_s"])
-    return Run(
-        label,
-        seed,
-        rewards=[float(r["reward_mean"]) for r in rollout],
-        reward_at=[float(r["time"]) - started for r in rollout],
-        loop_s=float(train[-1]["time"]) - first,
-        loop_start=first - started,
-        process_s=process_s,
-        info=_arl_info(rollout),
-        prompts=_arl_prompts(paths, steps),
-        load=load,
-        timeline=_arl_timeline(rollout, train),
-        cpu_s=cpu_s,
-        run_dir=run_dir,
-    )
+    return DemoRun(run_dir, rollout, train, started, process_s, load, cpu_s)
 
 
 def _run_logged(cmd: list[str], log: Path, env_extra: dict[str, str] | None = None) -> float:

@@ -30,10 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run as `python benchmarks/vs_trl_seeds.py`: the root, for `benchmarks.` imports
 
+from benchmarks._workdir import work_dir  # noqa: E402
 from benchmarks.vs_trl import (  # noqa: E402
     DEFAULT_STEPS,
     T95,
@@ -70,14 +69,13 @@ def main() -> int:
     require_trl()
     from pipeline.demo.demo_run import MODEL_NAME, ensure_tiny_model
 
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="arl-vs-trl-seeds-")).resolve()
-    model_dir = ensure_tiny_model(workdir / MODEL_NAME)
     seeds = range(args.first_seed, args.first_seed + args.seeds)
-    print(f"vs_trl_seeds: seeds {seeds.start}..{seeds.stop - 1} x {args.steps} steps, TRL then arl-sync; work dir "
-          f"{workdir}", flush=True)  # fmt: skip
     pairs: list[tuple[Run, Run]] = []
     rescored: list[tuple[int, int] | None] = []
-    try:
+    with work_dir(args.workdir, "arl-vs-trl-seeds-") as workdir:
+        print(f"vs_trl_seeds: seeds {seeds.start}..{seeds.stop - 1} x {args.steps} steps, TRL then arl-sync; work dir "
+              f"{workdir}", flush=True)  # fmt: skip
+        model_dir = ensure_tiny_model(workdir / MODEL_NAME)
         for seed in seeds:
             overrides = seed_overrides(seed)
             if args.prompt_seed is not None:  # after the seed's own dataset seed: the later override wins
@@ -90,9 +88,6 @@ def main() -> int:
             save(workdir / "seeds.json", pairs, rescored)
             print(f"   seed {seed}: mean reward TRL {statistics.fmean(trl.rewards):.3f}, arl-sync "
                   f"{statistics.fmean(sync.rewards):.3f}", flush=True)  # fmt: skip
-    finally:
-        if not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
     return finish(pairs, rescored, args)
 
 

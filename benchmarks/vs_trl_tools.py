@@ -59,10 +59,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -72,15 +70,15 @@ REPO_ROOT = HERE.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # run as `python benchmarks/vs_trl_tools.py`: the root, for `benchmarks.`
 
+from benchmarks._workdir import work_dir  # noqa: E402
 from benchmarks.vs_trl import (  # noqa: E402
     Run,
     _arl_info,
-    _arl_prompts,
-    _arl_timeline,
     _run_logged,
     _yaml,
     paired,
     require_trl,
+    run_demo,
     tail_mean,
 )
 
@@ -94,12 +92,11 @@ def main() -> int:
     require_trl()
     from pipeline.demo.tasks import TOOLS
 
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="arl-vs-trl-tools-")).resolve()
     steps = args.steps or TOOLS.num_steps()
-    print(f"vs_trl_tools: {args.seeds} seeds x {steps} steps; TRL, arl-sync per seed; work dir {workdir}")
     runs: list[Run] = []
     checks: dict[int, dict[str, Any]] = {}
-    try:
+    with work_dir(args.workdir, "arl-vs-trl-tools-") as workdir:
+        print(f"vs_trl_tools: {args.seeds} seeds x {steps} steps; TRL, arl-sync per seed; work dir {workdir}")
         model_dir = prepare_model(workdir, args.model)
         for seed in range(args.seeds):
             overrides = run_overrides(args.batch_size)
@@ -108,9 +105,6 @@ def main() -> int:
             runs += [trl, sync]
             checks[seed].update(compare_tokens(trl, sync, checks[seed].pop("tool_spans"), model_dir))
             print_checks(seed, checks[seed])
-    finally:
-        if not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
     report(runs, checks, steps)
     return 0
 
@@ -201,34 +195,16 @@ def _log_means(log: list[dict[str, Any]]) -> dict[str, float]:
 def run_arl(workdir: Path, model_dir: Path, steps: int, seed: int, overrides: list[str]) -> Run:
     """`arl demo --task tools --max-staleness 0` as a person runs it; its metrics files give the per-step figures."""
     from pipeline.demo.tasks import TOOLS
-    from pipeline.run.config import config_from_run_dir
-    from pipeline.run.paths import RunPaths
-    from pipeline.run.sinks import read_jsonl
 
-    demo_dir = workdir / str(_yaml(TOOLS.config)["experiment_name"])
-    before = set(demo_dir.iterdir()) if demo_dir.exists() else set()
     cmd = [sys.executable, "-m", "pipeline.cli", "demo", *overrides, "--task", "tools", "--seed", str(seed),
            "--steps", str(steps), "--out", str(workdir), "--max-staleness", "0"]  # fmt: skip
     print(f"-- arl-sync seed {seed}: arl demo --task tools --max-staleness 0 ...", flush=True)
-    load, started = os.getloadavg()[0], time.time()
-    cpu_s = _run_logged(cmd, workdir / f"arl-sync-{seed}.log", {"COLUMNS": "120"})
-    process_s = time.time() - started
-    (run_dir,) = [p for p in set(demo_dir.iterdir()) - before if p.is_dir()]
-    if Path(config_from_run_dir(run_dir).model.path).resolve() != model_dir.resolve():
-        raise RuntimeError(f"{run_dir} trained another model than TRL's ({model_dir})")
-    paths = RunPaths(run_dir)
-    rollout = sorted(read_jsonl(paths.rollout_metrics), key=lambda r: int(r["step"]))
-    train = sorted(read_jsonl(paths.train_metrics), key=lambda r: int(r["step"]))
-    if len(rollout) != steps or len(train) != steps:
-        raise RuntimeError(f"{run_dir}: {len(rollout)} rollout and {len(train)} train rows for {steps} steps")
-    first = float(rollout[0]["time"]) - float(rollout[0]["time_step_s"])
-    info = {**_arl_info(rollout), "turns_mean": [float(r.get("turns_mean") or 0.0) for r in rollout]}
+    demo_dir = workdir / str(_yaml(TOOLS.config)["experiment_name"])
+    demo = run_demo(cmd, demo_dir, workdir / f"arl-sync-{seed}.log", model_dir, steps)
+    info = {**_arl_info(demo.rollout), "turns_mean": [float(r.get("turns_mean") or 0.0) for r in demo.rollout]}
     for key in ("agent_errors", "prefix_breaks", "samples"):
-        info[key] = [float(r.get(key) or 0.0) for r in rollout]
-    return Run("arl-sync", seed, rewards=[float(r["reward_mean"]) for r in rollout],
-               reward_at=[float(r["time"]) - started for r in rollout], loop_s=float(train[-1]["time"]) - first,
-               loop_start=first - started, process_s=process_s, info=info, prompts=_arl_prompts(paths, steps),
-               load=load, timeline=_arl_timeline(rollout, train), cpu_s=cpu_s, run_dir=run_dir)  # fmt: skip
+        info[key] = [float(r.get(key) or 0.0) for r in demo.rollout]
+    return demo.run("arl-sync", seed, info)
 
 
 # --------------------------------------------------------------------------- token checks
