@@ -348,11 +348,16 @@ def config(
 
 @app.command()
 @_friendly
-def bench(only: list[str] = typer.Option(None, "--only", help="Run only these benchmarks (file stems).")) -> int:
+def bench(
+    only: list[str] = typer.Option(None, "--only", help="Run only these benchmarks (file stems)."),
+    timeout_min: float = typer.Option(
+        60.0, "--timeout-min", min=0.1, help="Minutes each benchmark may run before it counts as failed."
+    ),
+) -> int:
     """Run every benchmark under benchmarks/ and write benchmarks/RESULTS.md."""
     from pipeline.analysis.bench import run_benchmarks
 
-    return run_benchmarks(only or [])
+    return run_benchmarks(only or [], timeout_s=60.0 * timeout_min)
 
 
 def main() -> None:  # pragma: no cover - console entry (`arl`, and `python -m pipeline.cli` in every stage)

@@ -55,3 +55,16 @@ def test_small_figures_keep_their_digits() -> None:
     from pipeline.analysis.bench import _fmt
 
     assert _fmt(9.5e-7) == "9.5e-07" and _fmt(0.0) == "0.000" and _fmt(0.25) == "0.250" and _fmt(1234.5) == "1,234"
+
+
+def test_a_benchmark_past_its_time_limit_fails_and_one_in_time_counts(tmp_path: Path, capsys) -> None:
+    """`--timeout-min` is each script's limit: the slow one is stopped and reported, the quick one's RESULT kept."""
+    from pipeline.analysis.bench import _run_one
+
+    slow, quick = tmp_path / "slow.py", tmp_path / "quick.py"
+    slow.write_text("import time\ntime.sleep(30)\n")
+    quick.write_text('print(\'RESULT {"figures": {"v": 1.5}}\')\n')
+    assert _run_one(slow, timeout_s=1.0) is None
+    assert "timed out after 1s" in capsys.readouterr().out
+    result = _run_one(quick, timeout_s=30.0)
+    assert result is not None and result["figures"] == {"v": 1.5} and result["name"] == "quick"
