@@ -107,7 +107,11 @@ async def collect_sessions(model_dir: str | Path, *, sessions: int, turns: int =
 
     server = await asyncio.to_thread(start_hf_server, model_dir, max_batch_size=concurrency, seed=seed)
     engine = EngineClient([server.url], health_interval_s=0)
-    proxy = ProxyServer(ModelConfig(path=str(model_dir)), ProxyConfig(max_tokens_limit=max(max_tokens, 64)), engine,
+    # history: sampled. The random tiny model samples special tokens and spacing its template would not write back,
+    # so under the default (`template`) most of its turns would break the row; a model that writes its template's
+    # format (any trained one) keeps one row under either setting, and one row per session is what this measures.
+    config = ProxyConfig(max_tokens_limit=max(max_tokens, 64), history="sampled")
+    proxy = ProxyServer(ModelConfig(path=str(model_dir)), config, engine,
                         admin_key="arl-admin-" + secrets.token_urlsafe(16))  # fmt: skip
     try:
         await proxy.start()

@@ -20,10 +20,18 @@ from pipeline.engine.tokens import TopEntry
 from pipeline.proxy.errors import ApiError
 from pipeline.proxy.messages import Message, message_key, tool_call
 from pipeline.proxy.parsers import Event, OutputParser, Parsed, collect, parse_text
-from pipeline.proxy.prepare import OFFLOAD_CHARS, CallSpec, Prepared, prepare, prompt_chars, sampling_params
+from pipeline.proxy.prepare import (
+    OFFLOAD_CHARS,
+    CallSpec,
+    Prepared,
+    check_context_bound,
+    prepare,
+    prompt_chars,
+    sampling_params,
+)
 from pipeline.proxy.sessions import Session
 from pipeline.proxy.streaming import IncrementalDetokenizer, StopHolder, cut_at_stop
-from pipeline.proxy.tokenize import ChatTokenizer, check_context_bound
+from pipeline.proxy.tokenize import ChatTokenizer
 from pipeline.proxy.trajectory import Interaction
 from schemas.api.rl import SamplingOverride
 from schemas.config.model import ModelConfig

@@ -12,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.proxy.errors import bad_request
+from pipeline.proxy.errors import ApiError, bad_request
+from pipeline.proxy.history import sampled_history_kept
 from pipeline.proxy.messages import Message, MessageKey, message_key, tools_key
 from pipeline.proxy.parsers import TOOL_PARSERS
 from pipeline.proxy.sessions import Session
-from pipeline.proxy.tokenize import ChatTokenizer, check_context
+from pipeline.proxy.tokenize import ChatTokenizer
 from pipeline.proxy.trajectory import Interaction
 from schemas.api.rl import SamplingOverride
 from schemas.config.model import ModelConfig
@@ -57,7 +58,7 @@ class Prepared:
     prefix_break: bool
     """A parent was found but its tokens could not be reused (the prompt was rendered whole)."""
     break_reason: str | None
-    """Why (`history_edited`, `template_not_prefix_stable`); None without a break."""
+    """Why (`history_edited`, `template_not_prefix_stable`, `template_rewrites_history`); None without a break."""
     keys: list[MessageKey]
     """The call's messages as the session's tree compares them."""
     tools_key: str
@@ -109,14 +110,17 @@ def prepare(
         cached = session.prompt_text(parent.id)
         if cached is not None and spec.messages[: match.prefix_len - 1] != parent.messages:
             cached = None  # the fast path needs the very messages the cached text was rendered from
+        keep_sampled = proxy.history == "sampled"
         ext = tokenizer.extend(
-            spec.messages, render_tools, match.prefix_len, parent.output_ids, prefill, parent_text=cached
+            spec.messages, render_tools, match.prefix_len, parent.output_ids, prefill, cached, keep_sampled
         )
-        if ext is not None:
+        if ext is None:
+            reason = "template_not_prefix_stable"
+        elif not keep_sampled and not sampled_history_kept(tokenizer, session, parent, ext):
+            reason = "template_rewrites_history"
+        else:
             prompt_ids = [*parent.prompt_ids, *parent.output_ids, *ext.suffix_ids]
             text = ext.full_text
-        else:
-            reason = "template_not_prefix_stable"
     elif parent is not None:
         reason = "history_edited"
     if prompt_ids is None:
@@ -185,3 +189,31 @@ def sampling_params(
 
 def _first(imposed: float | None, asked: float | None) -> float | None:
     return imposed if imposed is not None else asked
+
+
+def check_context_bound(chars: int, max_token_chars: int, max_context: int) -> None:
+    """Refuse, before any rendering or tokenizing, a prompt whose characters alone prove it too long."""
+    at_least = -(-chars // max(max_token_chars, 1))
+    if at_least >= max_context:
+        raise ApiError(
+            400,
+            f"the prompt holds {chars} characters, so at least {at_least} tokens (no token of this tokenizer is "
+            f"longer than {max_token_chars} characters), but the model's context is {max_context} tokens "
+            "(model.max_context): shorten the conversation",
+            param="messages",
+            code="context_length_exceeded",
+        )
+
+
+def check_context(prompt_len: int, max_context: int) -> int:
+    """Tokens left for the completion; a 400 naming both numbers when the prompt does not fit."""
+    room = max_context - prompt_len
+    if room < 1:
+        raise ApiError(
+            400,
+            f"the prompt is {prompt_len} tokens but the model's context is {max_context} tokens "
+            f"(model.max_context): shorten the conversation",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    return room

@@ -38,8 +38,8 @@ CONTEXTS: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]] = [
         [
             {"role": "user", "content": "q"},
             {"role": "assistant", "content": "", "reasoning_content": "t", "tool_calls": [_CALL]},
-            {"role": "tool", "content": "1"},
-            {"role": "tool", "content": "2"},
+            {"role": "tool", "tool_call_id": "c", "content": "1"},
+            {"role": "tool", "tool_call_id": "c", "content": "2"},
         ],
         _TOOLS,
     ),
@@ -51,8 +51,12 @@ CONTEXTS: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]] = [
 ]
 SUFFIXES: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": "n"}],
-    [{"role": "tool", "content": "r"}],
-    [{"role": "tool", "content": "r1"}, {"role": "tool", "content": "r2"}, {"role": "user", "content": "n"}],
+    [{"role": "tool", "tool_call_id": "c", "content": "r"}],
+    [
+        {"role": "tool", "tool_call_id": "c", "content": "r1"},
+        {"role": "tool", "tool_call_id": "c", "content": "r2"},
+        {"role": "user", "content": "n"},
+    ],
     [{"role": "system", "content": "s2"}, {"role": "user", "content": "n"}],
     [{"role": "user", "content": "n"}, {"role": "assistant", "content": "a2"}, {"role": "user", "content": "n2"}],
 ]

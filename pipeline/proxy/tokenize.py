@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.proxy import template_probe
+from pipeline.proxy import template_probe, template_style
 from pipeline.proxy.errors import ApiError, bad_request
 from pipeline.proxy.literal import LiteralSpecials
 from pipeline.proxy.messages import Message
@@ -65,6 +65,8 @@ class Extension:
     """The part of the template's turn close the model did not generate (Qwen: "\\n")."""
     full_text: str
     """The rendered conversation with its generation prompt (kept for the next turn's fast path)."""
+    suffix_text: str
+    """The text of `suffix_ids`: the unsampled close, the new messages, the generation prompt (no prefill)."""
 
 
 class ChatTokenizer:
@@ -91,7 +93,12 @@ class ChatTokenizer:
         if not isinstance(text, str) or not text:
             raise ValueError(f"tokenizer at {self.path} has no chat template: set model.chat_template to a .jinja file")
         self.template_text = text
-        self._template = _compile_jinja_template(text)
+        try:
+            self._template = _compile_jinja_template(text)
+        except Exception as exc:  # a syntax error in a user's .jinja file
+            raise template_style.UnsupportedTemplate(
+                f"the chat template of {self.path} does not compile: {exc}"
+            ) from None
         self._special = {k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)}
         self._backend = self.hf.backend_tokenizer
         self._added: dict[str, int] = {tok.content: idx for idx, tok in self.hf.added_tokens_decoder.items()}
@@ -103,9 +110,13 @@ class ChatTokenizer:
         """The longest token's text (in characters of its vocabulary entry, byte-level or not): a prompt of C
         characters is at least C / max_token_chars tokens."""
         self.stop_token_ids = _stop_token_ids(self.hf, Path(model_dir or self.path))
-        self.close_text = self._detect_turn_close()
+        self.style = template_style.detect(self._render_raw, self.path)
+        try:
+            self.close_text = self._detect_turn_close()
+            self._window_text = self.render(template_probe.WINDOW, None, add_generation_prompt=False)
+        except ApiError as exc:
+            raise template_style.UnsupportedTemplate(f"the chat template of {self.path}: {exc.message}") from None
         self._turns: OrderedDict[str, str] = OrderedDict()
-        self._window_text = self.render(template_probe.WINDOW, None, add_generation_prompt=False)
         self.generation_prompt = template_probe.generation_prompt(self)
         self.turn_local = template_probe.turn_local(self)
         self.suffix_local = self.turn_local and template_probe.suffix_local(self)
@@ -115,19 +126,25 @@ class ChatTokenizer:
     # -- rendering ------------------------------------------------------------------------
     def render(self, messages: Sequence[Message], tools: Sequence[dict] | None, add_generation_prompt: bool) -> str:
         """The template's text for a conversation; template errors become a 400 saying why."""
-        from jinja2 import TemplateError
-
         if self._literal is not None:
             messages = self._literal.escape_messages(messages)
         try:
-            return self._template.render(
-                messages=messages,
-                tools=list(tools) if tools else None,
-                add_generation_prompt=add_generation_prompt,
-                **self._special,
-            )
-        except TemplateError as exc:
-            raise bad_request(f"the model's chat template refused this conversation: {exc}", param="messages") from None
+            return self._render_raw(self.style.adapt(messages), tools, add_generation_prompt)
+        except Exception as exc:  # raise_exception's TemplateError, or a TypeError of a template meeting a shape
+            detail = str(exc).strip().splitlines()
+            raise bad_request(
+                f"the model's chat template refused this conversation: {type(exc).__name__}: "
+                f"{detail[0] if detail else ''}",
+                param="messages",
+            ) from None
+
+    def _render_raw(self, messages: Sequence[Message], tools: Sequence[dict] | None, generation_prompt: bool) -> str:
+        return self._template.render(
+            messages=messages,
+            tools=list(tools) if tools else None,
+            add_generation_prompt=generation_prompt,
+            **self._special,
+        )
 
     def _detect_turn_close(self) -> str:
         """The text the template writes after an assistant message's content (`<|im_end|>\\n`)."""
@@ -199,6 +216,7 @@ class ChatTokenizer:
         parent_output_ids: Sequence[int],
         prefill: str = "",
         parent_text: str | None = None,
+        keep_sampled: bool = False,
     ) -> Extension | None:
         """The suffix tokens for `messages`, whose first `prefix_len` messages end with the returned
         assistant message of an interaction that generated `parent_output_ids`.
@@ -211,7 +229,8 @@ class ChatTokenizer:
 
         Returns None when the template is not prefix-stable for this conversation (rendering the
         longer conversation changes earlier text); the caller then re-renders in full and records
-        a prefix break.
+        a prefix break. With `keep_sampled` (`proxy.history: sampled`) the new messages' text is then found
+        in the longer rendering (`template_style.text_after_turn`) and the history stays the sampled tokens.
         """
         prefix_text = turn = None
         if parent_text is not None and self.turn_local:
@@ -224,9 +243,14 @@ class ChatTokenizer:
         full_text = self.render(messages, tools, add_generation_prompt=True)
         if prefix_text is None or not full_text.startswith(prefix_text):
             prefix_text = self.render(messages[:prefix_len], tools, add_generation_prompt=False)
-        if not full_text.startswith(prefix_text):
-            return None
-        return self._extension(prefix_text, full_text[len(prefix_text) :], parent_output_ids, prefill)
+        if full_text.startswith(prefix_text):
+            return self._extension(prefix_text, full_text[len(prefix_text) :], parent_output_ids, prefill)
+        new_text = None
+        if keep_sampled:  # self.render: the template's errors as 400s, special-token text in messages escaped
+            new_text = template_style.text_after_turn(
+                self.render, self.close_text, messages, tools, prefix_len, full_text
+            )
+        return None if new_text is None else self._extension(prefix_text, new_text, parent_output_ids, prefill)
 
     def _extension(
         self, prefix_text: str, new_text: str, parent_output_ids: Sequence[int], prefill: str
@@ -234,7 +258,16 @@ class ChatTokenizer:
         if not prefix_text.endswith(self.close_text):
             return None
         tail = self.close_tail(parent_output_ids)
-        return Extension(self.encode(tail + new_text + prefill), tail, prefix_text + new_text)
+        suffix = tail + self._after_stop(parent_output_ids, new_text)
+        return Extension(self.encode(suffix + prefill), tail, prefix_text + new_text, suffix)
+
+    def _after_stop(self, output_ids: Sequence[int], new_text: str) -> str:
+        """`new_text` less the sampled stop token where that token begins it: a template with no turn close (GLM)
+        ends a turn where the next role's header begins, and its model stops by sampling that header."""
+        if self.close_text or not output_ids or output_ids[-1] not in self.stop_token_ids:
+            return new_text
+        stop = self.token_text(output_ids[-1])
+        return new_text[len(stop) :] if stop and new_text.startswith(stop) else new_text
 
     # -- the fast paths -----------------------------------------------------------------------
     def _prefix_from_parent(self, parent_text: str, turn: str | None) -> str | None:
@@ -352,31 +385,3 @@ def _stop_token_ids(hf: Any, model_dir: Path) -> frozenset[int]:
         elif isinstance(value, list):
             ids.update(int(v) for v in value)
     return frozenset(ids)
-
-
-def check_context_bound(chars: int, max_token_chars: int, max_context: int) -> None:
-    """Refuse, before any rendering or tokenizing, a prompt whose characters alone prove it too long."""
-    at_least = -(-chars // max(max_token_chars, 1))
-    if at_least >= max_context:
-        raise ApiError(
-            400,
-            f"the prompt holds {chars} characters, so at least {at_least} tokens (no token of this tokenizer is "
-            f"longer than {max_token_chars} characters), but the model's context is {max_context} tokens "
-            "(model.max_context): shorten the conversation",
-            param="messages",
-            code="context_length_exceeded",
-        )
-
-
-def check_context(prompt_len: int, max_context: int) -> int:
-    """Tokens left for the completion; a 400 naming both numbers when the prompt does not fit."""
-    room = max_context - prompt_len
-    if room < 1:
-        raise ApiError(
-            400,
-            f"the prompt is {prompt_len} tokens but the model's context is {max_context} tokens "
-            f"(model.max_context): shorten the conversation",
-            param="messages",
-            code="context_length_exceeded",
-        )
-    return room

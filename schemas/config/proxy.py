@@ -38,6 +38,13 @@ class ProxyConfig(Block):
     (as plain text: a tool's output cannot forge turn boundaries in the recorded tokens) or `special` (as the
     special tokens, as vLLM and SGLang do; only for agents that rely on it). The template's markup is always
     special."""
+    history: Literal["template", "sampled"] = "template"
+    """What the model is shown of earlier turns when the chat template renders a returned reply otherwise than it
+    was sampled (Qwen3 and DeepSeek-R1 drop past reasoning, GLM-4.5 inserts an empty think block, Cohere strips
+    content, a tool call's JSON re-spaced): `template` (the template's own rendering, as vLLM or SGLang would
+    show it; the call becomes a new sample, counted as a prefix break `template_rewrites_history`) or `sampled`
+    (the sampled tokens are kept as history, so the conversation stays one concat row; the model then sees
+    history its template would not write)."""
     ignore_fields: list[str] = Field(default_factory=list)
     """Request fields arl cannot honour (penalties, `logit_bias`, `response_format`, reasoning controls,
     `parallel_tool_calls: false`, Anthropic `thinking`) to drop instead of answering 400 (docs/proxy.md)."""

@@ -10,6 +10,7 @@ in tests/integration/test_token_exact_engine.py.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,10 +46,10 @@ TURNS: list[tuple[list[dict], dict]] = [
 ]  # fmt: skip
 
 
-def _setup(model_dir: Path) -> tuple[Generator, SessionStore]:
+def _setup(model_dir: Path, history: str = "template") -> tuple[Generator, SessionStore]:
     model = ModelConfig(path=str(model_dir))
     tok = ChatTokenizer(model_dir)
-    proxy = ProxyConfig()
+    proxy = ProxyConfig(history=history)
     return Generator(tok, EngineClient([]), model, proxy), SessionStore(proxy, "admin")
 
 
@@ -117,9 +118,14 @@ def test_qwen_newline_after_im_end_goes_to_the_suffix(tiny_model_dir: Path) -> N
     assert tok.close_tail(tok.encode("hi")) == "<|im_end|>\n"  # length stop: the model never closed the turn
 
 
-def test_context_dependent_template_takes_the_two_render_path(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """An assistant header that numbers the message is not turn-local: the fast path is off, and the
-    exact two-render path still extends token-exactly."""
+@pytest.mark.parametrize("history", ["sampled", "template"])
+def test_context_dependent_template_takes_the_two_render_path(
+    tiny_model_dir: Path, tmp_path: Path, history: str
+) -> None:
+    """An assistant header that numbers the message is not turn-local: the fast path is off. The history's header
+    ("assistant1") is not the generation prompt the reply was sampled after ("assistant"): with `history: sampled`
+    the exact two-render path still extends token-exactly; with `template` the call is the template's own
+    rendering, a counted prefix break."""
     original = ChatTokenizer(tiny_model_dir).template_text
     header = "'<|im_start|>' + message.role + '\\n' }}"
     assert original.count(header) == 1
@@ -128,7 +134,8 @@ def test_context_dependent_template_takes_the_two_render_path(tiny_model_dir: Pa
     model = ModelConfig(path=str(tiny_model_dir), chat_template=str(path))
     tok = ChatTokenizer(tiny_model_dir, chat_template=path)
     assert tok.turn_local is False
-    gen, store = Generator(tok, EngineClient([]), model, ProxyConfig()), SessionStore(ProxyConfig(), "admin")
+    proxy = ProxyConfig(history=history)
+    gen, store = Generator(tok, EngineClient([]), model, proxy), SessionStore(proxy, "admin")
     session = store.start("admin", None, None)
     first = [{"role": "user", "content": "hi"}]
     prep = gen.prepare(session, CallSpec(messages=first))
@@ -138,8 +145,14 @@ def test_context_dependent_template_takes_the_two_render_path(tiny_model_dir: Pa
                          output_logprobs=[0.0] * len(out), output_versions=[0] * len(out), messages=first,
                          response_message=reply)  # fmt: skip
     session.record(parent, prep.keys, message_key(reply), prep.tools_key, prep.prompt_text)
-    nxt = gen.prepare(session, CallSpec(messages=[*first, reply, {"role": "user", "content": "more"}]))
-    assert not nxt.prefix_break and nxt.prompt_ids[: len(parent.full_ids)] == parent.full_ids
+    messages = [*first, reply, {"role": "user", "content": "more"}]
+    nxt = gen.prepare(session, CallSpec(messages=messages))
+    if history == "sampled":
+        assert not nxt.prefix_break and nxt.prompt_ids[: len(parent.full_ids)] == parent.full_ids
+    else:
+        assert nxt.break_reason == "template_rewrites_history"
+        assert nxt.prompt_ids == tok.encode(tok.render(messages, None, add_generation_prompt=True))
+        assert "<|im_start|>assistant1\nyo" in tok.decode(nxt.prompt_ids, skip_special_tokens=False)
 
 
 def test_llama3_has_no_tail_after_eot(tiny_llama_dir: Path) -> None:
@@ -148,9 +161,13 @@ def test_llama3_has_no_tail_after_eot(tiny_llama_dir: Path) -> None:
     assert tok.close_tail(tok.encode("hi<|eot_id|>")) == ""
 
 
-def test_sdk_reserialisation_still_extends(tiny_model_dir: Path) -> None:
-    """content None vs "", arguments re-spaced, extra fields, dropped reasoning: still the same conversation."""
-    gen, store = _setup(tiny_model_dir)
+@pytest.mark.parametrize("history", ["sampled", "template"])
+def test_sdk_reserialisation_still_extends(tiny_model_dir: Path, history: str) -> None:
+    """content None vs "", arguments re-spaced, extra fields: still the same conversation, extended token-exactly.
+    The template renders arguments as a mapping (as vLLM and SGLang do), so re-spacing does not change its
+    rendering. Re-ordered keys and dropped reasoning do: under `history: sampled` the sampled tokens stay the
+    history; under `template` that call is the template's rendering, a counted break."""
+    gen, store = _setup(tiny_model_dir, history)
     session = store.start("admin", None, None)
     first = [{"role": "user", "content": "What is 1 + 2?"}]
     prep = gen.prepare(session, CallSpec(messages=first, tools=TOOLS))
@@ -160,14 +177,27 @@ def test_sdk_reserialisation_still_extends(tiny_model_dir: Path) -> None:
                          output_logprobs=[0.0] * len(out), output_versions=[0] * len(out), messages=first,
                          response_message=reply)  # fmt: skip
     session.record(parent, prep.keys, message_key(reply), prep.tools_key)
-    calls = [
-        {"id": "x", "type": "function", "function": {"name": "add", "arguments": '{"b":2,"a":1}'}},
-        {"id": "y", "type": "function", "function": {"name": "add", "arguments": '{"a":2, "b":1}'}},
-    ]
-    resent = {"role": "assistant", "content": None, "refusal": None, "annotations": [], "tool_calls": calls}
-    nxt = gen.prepare(session, CallSpec(messages=[*first, resent, {"role": "user", "content": "ok"}], tools=TOOLS))
+
+    def resend(first_arguments: str, reasoning: bool = True) -> Any:
+        calls = [
+            {"id": "x", "type": "function", "function": {"name": "add", "arguments": first_arguments}},
+            {"id": "y", "type": "function", "function": {"name": "add", "arguments": '{"a":2, "b":1}'}},
+        ]
+        resent = {"role": "assistant", "content": None, "refusal": None, "annotations": [], "tool_calls": calls}
+        if reasoning:
+            resent["reasoning_content"] = reply["reasoning_content"]
+        spec = CallSpec(messages=[*first, resent, {"role": "user", "content": "ok"}], tools=TOOLS)
+        return gen.prepare(session, spec)
+
+    nxt = resend('{"a":1,"b":2}')
     assert nxt.parent is not None and nxt.parent.id == "p" and not nxt.prefix_break
     assert nxt.prompt_ids[: len(parent.full_ids)] == parent.full_ids
+    for rewritten in (resend('{"b":2,"a":1}'), resend('{"a":1,"b":2}', reasoning=False)):
+        assert rewritten.parent is not None and rewritten.parent.id == "p"
+        if history == "sampled":
+            assert not rewritten.prefix_break and rewritten.prompt_ids[: len(parent.full_ids)] == parent.full_ids
+        else:
+            assert rewritten.break_reason == "template_rewrites_history"
 
 
 def test_edited_history_is_a_recorded_break(tiny_model_dir: Path) -> None:
