@@ -113,7 +113,14 @@ class Generator:
         self.model = model
         self.proxy = proxy
         self.reasoning_parser = model.reasoning_parser
+        head = tokenizer.generation_prompt
+        self.prompt_opens_reasoning = head.rfind("<think>") > head.rfind("</think>")
+        """The generation prompt ends inside `<think>`: the model's output starts in its reasoning."""
         self._warned_version = False
+
+    def _thinking(self, prep: Prepared) -> bool:
+        """Whether this call's output starts inside reasoning (a forced tool call's prefill starts it in content)."""
+        return self.prompt_opens_reasoning and not prep.prefill
 
     # -- prompt ---------------------------------------------------------------------------
     async def prepare_soon(self, session: Session, spec: CallSpec) -> Prepared:
@@ -160,7 +167,7 @@ class Generator:
         completions = []
         for i, (iid, result) in enumerate(zip(ids, results, strict=True)):
             text, stop_string = self._output_text(result.output_ids, spec.stop)
-            parsed = parse_text(prep.prefill + text, prep.tool_parser, self.reasoning_parser)
+            parsed = parse_text(prep.prefill + text, prep.tool_parser, self.reasoning_parser, self._thinking(prep))
             versions = result.output_versions or [result.weight_version] * len(result.output_ids)
             sampled = Sampled(
                 index=i,
@@ -239,7 +246,7 @@ class Generator:
     ) -> AsyncIterator[StreamItem]:
         detok = IncrementalDetokenizer(self.tokenizer)
         stopper = StopHolder(spec.stop)
-        parser = OutputParser(prep.tool_parser, self.reasoning_parser)
+        parser = OutputParser(prep.tool_parser, self.reasoning_parser, self._thinking(prep))
         events: list[Event] = list(parser.feed(prep.prefill))
         for event in events:
             yield StreamItem(index, event)

@@ -8,7 +8,9 @@ the tests check that any chunking gives the same events.
 Reasoning (`model.reasoning_parser`):
 * `think`: an output that starts (after whitespace) with `<think>` holds reasoning up to
   `</think>`; the newlines the templates put inside the markers and after `</think>` are dropped.
-  Tool-call markup inside the reasoning is reasoning, never a call.
+  Where the prompt opened the reasoning itself (a generation prompt ending in `<think>\n`: Qwen3.5/3.6,
+  DeepSeek-R1, Nemotron 3), the output starts inside it. Tool-call markup inside the reasoning is
+  reasoning, never a call: reasoning is split off before tool calls are looked for.
 * `none`: everything is content.
 
 Tool calls (`model.tool_parser`), applied to the content only:
@@ -254,9 +256,15 @@ def _split_json_calls(text: str) -> list[ToolCall] | None:
 
 
 class ReasoningSplitter:
-    """Base (`none`): everything is content."""
+    """Base (`none`): everything is content.
+
+    `opened`: the prompt already opened the reasoning (a generation prompt ending in `<think>\n`, as Qwen3.5,
+    DeepSeek-R1 and Nemotron 3 write it), so the output starts inside it."""
 
     name = "none"
+
+    def __init__(self, opened: bool = False) -> None:
+        self.opened = opened
 
     def feed(self, text: str) -> list[Event]:
         return [Event("content", text)] if text else []
@@ -269,10 +277,11 @@ class ThinkSplitter(ReasoningSplitter):
     name = "think"
     OPEN, CLOSE = "<think>", "</think>"
 
-    def __init__(self) -> None:
+    def __init__(self, opened: bool = False) -> None:
+        super().__init__(opened)
         self.buf = ""
-        self.state: Literal["start", "reasoning", "content"] = "start"
-        self.strip_newlines = False  # at the start of reasoning or content: drop template newlines
+        self.state: Literal["start", "reasoning", "content"] = "reasoning" if opened else "start"
+        self.strip_newlines = opened  # at the start of reasoning or content: drop template newlines
 
     def feed(self, text: str) -> list[Event]:
         out: list[Event] = []
@@ -359,8 +368,9 @@ def check_parser_names(tool_parser: str, reasoning_parser: str) -> None:
 class OutputParser:
     """Reasoning first, then tool calls in what is left: `feed(text)` / `finish()` -> events."""
 
-    def __init__(self, tool_parser: str, reasoning_parser: str) -> None:
-        self.reasoning = REASONING_PARSERS[reasoning_parser]()
+    def __init__(self, tool_parser: str, reasoning_parser: str, thinking: bool = False) -> None:
+        """`thinking`: the prompt opened the reasoning (`ReasoningSplitter`'s `opened`)."""
+        self.reasoning = REASONING_PARSERS[reasoning_parser](thinking)
         self.tools = TOOL_PARSERS[tool_parser]()
 
     def feed(self, text: str) -> list[Event]:
@@ -386,9 +396,9 @@ def collect(events: list[Event]) -> Parsed:
     return Parsed(reasoning, content, calls)
 
 
-def parse_text(text: str, tool_parser: str, reasoning_parser: str) -> Parsed:
+def parse_text(text: str, tool_parser: str, reasoning_parser: str, thinking: bool = False) -> Parsed:
     """The whole-text parse: the streaming parser fed once."""
-    parser = OutputParser(tool_parser, reasoning_parser)
+    parser = OutputParser(tool_parser, reasoning_parser, thinking)
     return collect(parser.feed(text) + parser.finish())
 
 

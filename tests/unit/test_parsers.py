@@ -131,3 +131,26 @@ def test_any_chunking_gives_the_whole_text_result(pieces: list[str], cuts: list[
         pos, i = pos + step, i + 1
     chunked = collect(events + parser.finish())
     assert _summary(chunked) == _summary(whole)
+
+
+OPENED = (  # after a generation prompt ending in "<think>\n" (Qwen3.5, DeepSeek-R1, Nemotron 3): no opening tag
+    'I could call <tool_call>\n{"name": "add", "arguments": {"a": 9}}\n</tool_call> but let me think.\n</think>\n\n'
+    '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, len(OPENED)])
+def test_a_prompt_that_opened_the_reasoning_keeps_its_tool_markup_out_of_the_calls(chunk: int) -> None:
+    """The call written inside the reasoning is reasoning; the one after `</think>` is the call, in any chunking."""
+    parser = OutputParser("hermes", "think", thinking=True)
+    events = [e for i in range(0, len(OPENED), chunk) for e in parser.feed(OPENED[i : i + chunk])]
+    reasoning, content, calls = _summary(collect(events + parser.finish()))
+    assert calls == [("add", {"a": 1})] and content == ""
+    assert reasoning.startswith("I could call <tool_call>") and reasoning.endswith("let me think.")
+    # without the prompt's opening, the same text is content and its first call would be executed
+    assert _summary(parse_text(OPENED, "hermes", "think"))[2][0] == ("add", {"a": 9})
+
+
+def test_an_empty_opened_reasoning_is_no_reasoning() -> None:
+    assert parse_text("\n</think>\n\nHello.", "hermes", "think", thinking=True) == Parsed("", "Hello.", [])
+    assert parse_text("Unfinished thought", "none", "think", thinking=True).reasoning == "Unfinished thought"

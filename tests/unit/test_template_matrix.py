@@ -191,3 +191,15 @@ def test_a_template_that_cannot_render_text_is_refused_in_one_line(tiny_model_di
     path.write_text("{% for m in messages %}{{ m.content }")
     with pytest.raises(UnsupportedTemplate, match="does not compile"):
         ChatTokenizer(tiny_model_dir, chat_template=path)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_think", "deepseek_r1_distill", "nemotron_3_nano", "qwen3_5_nothink"])
+def test_templates_whose_generation_prompt_opens_reasoning_start_the_parse_inside_it(
+    name: str, matrix_dir: Path, tiny_model_dir: Path
+) -> None:
+    """The real templates decide it: Qwen3.5 (think), DeepSeek-R1 and Nemotron 3 end their generation prompt in an
+    open `<think>`, so a tool call the model writes before `</think>` is reasoning; Qwen3.5 no-think closes it."""
+    model_dir = _family(name, TEMPLATES[NAMES.index(name)], tiny_model_dir, matrix_dir)
+    tok = ChatTokenizer(model_dir)
+    gen = Generator(tok, EngineClient([]), ModelConfig(path=str(model_dir), reasoning_parser="think"), ProxyConfig())
+    assert gen.prompt_opens_reasoning is (name != "qwen3_5_nothink")
