@@ -301,7 +301,10 @@ def doctor(
 @_friendly
 def make_tiny_model_cmd(
     out_dir: Path = typer.Argument(..., help="Directory to create."),
-    template: str = typer.Option("qwen", help="Chat template style: qwen or llama3."),
+    template: str = typer.Option(
+        None, help="Chat template: qwen (Qwen2.5's), qwen3 (Qwen3's) or llama3 (default: qwen3 for the qwen3 archs)."
+    ),
+    arch: str = typer.Option("qwen2", help="Architecture: qwen2, qwen3 or qwen3_moe (4 experts, top 2)."),
     layers: int = typer.Option(2, help="Transformer layers."),
     hidden: int = typer.Option(128, help="Hidden size."),
     seed: int = typer.Option(0, help="Seed for weights and tokenizer training."),
@@ -314,14 +317,24 @@ def make_tiny_model_cmd(
     ),
     warm_start_steps: int = typer.Option(120, "--warm-start-steps", help="Supervised steps of --warm-start."),
 ) -> None:
-    """Make an offline, seeded, tiny Qwen2-architecture model + tokenizer (for tests and the demo)."""
-    from pipeline.demo.tiny_model import make_tiny_model
+    """Make an offline, seeded, tiny Qwen2/Qwen3/Qwen3-MoE model + tokenizer (for tests and the demo)."""
+    from pipeline.demo.tiny_model import ARCHS, make_tiny_model
 
-    if template != "qwen" and template != "llama3":
-        raise ArlError(f"--template must be qwen or llama3, got {template!r}")
-    style: Literal["qwen", "llama3"] = "qwen" if template == "qwen" else "llama3"
+    chosen = template or ("qwen3" if arch.startswith("qwen3") else "qwen")
+    styles: dict[str, Literal["qwen", "llama3", "qwen3"]] = {"qwen": "qwen", "llama3": "llama3", "qwen3": "qwen3"}
+    if chosen not in styles:
+        raise ArlError(f"--template must be qwen, qwen3 or llama3, got {chosen!r}")
+    kinds: dict[str, Literal["qwen2", "qwen3", "qwen3_moe"]] = {a: a for a in ARCHS}
+    if arch not in kinds:
+        raise ArlError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     path = make_tiny_model(
-        out_dir, template=style, num_layers=layers, hidden_size=hidden, seed=seed, overwrite=overwrite
+        out_dir,
+        template=styles[chosen],
+        num_layers=layers,
+        hidden_size=hidden,
+        seed=seed,
+        overwrite=overwrite,
+        arch=kinds[arch],
     )
     typer.echo(f"tiny model written to {path}")
     if warm_start is not None:

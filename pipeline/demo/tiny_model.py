@@ -1,12 +1,13 @@
-"""Build a tiny random-init chat model (Qwen2 architecture) and its tokenizer, offline.
+"""Build a tiny random-init chat model (Qwen2, Qwen3 or Qwen3-MoE architecture) and its tokenizer, offline.
 
 The model exists so that every stage (engines, proxy, trainer) and every test can run a real
 Hugging Face checkpoint on a laptop with no hub access. It is small enough to learn a toy task
 with RL on a CPU in minutes (vocab 512, 2 layers, hidden 128: ~0.6M parameters, ~2.3 MB).
 
-Two chat formats share the architecture: ``qwen`` (Qwen2.5 template, Hermes ``<tool_call>``
-JSON) and ``llama3`` (Llama 3.1 template, bare JSON tool calls, ``ipython`` tool role), so
-template- and parser-dependent code can be tested against both.
+Three chat formats share the tokenizer: ``qwen`` (Qwen2.5 template, Hermes ``<tool_call>``
+JSON), ``qwen3`` (Qwen3's: reasoning in ``<think>`` blocks, dropped from turns before the last user
+query) and ``llama3`` (Llama 3.1 template, bare JSON tool calls, ``ipython`` tool role), so
+template- and parser-dependent code can be tested against each.
 
 Why the tokenizer pipeline is Qwen's exactly: transformers 5 loads any ``qwen2`` checkpoint's
 tokenizer as ``Qwen2Tokenizer``, which rebuilds the normalizer, pre-tokenizer and decoder from
@@ -28,7 +29,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-Template = Literal["qwen", "llama3"]
+Template = Literal["qwen", "llama3", "qwen3"]
+Arch = Literal["qwen2", "qwen3", "qwen3_moe"]
+ARCHS: tuple[Arch, ...] = ("qwen2", "qwen3", "qwen3_moe")
+TINY_EXPERTS, TINY_EXPERTS_PER_TOKEN = 4, 2
+"""The tiny mixture-of-experts: a router over 4 experts a layer, each token sent to 2 (weights renormalised)."""
 
 # Qwen's pre-tokenizer regex, copied from transformers' Qwen2Tokenizer (see module docstring).
 # Digits are split one per token, so numbers tokenise uniformly.
@@ -85,15 +90,18 @@ def make_tiny_model(
     vocab_size: int = 512,
     max_position_embeddings: int = 2048,
     overwrite: bool = False,
+    arch: Arch = "qwen2",
 ) -> Path:
-    """Write a random-init ``Qwen2ForCausalLM`` checkpoint with tokenizer to ``out_dir``.
+    """Write a random-init checkpoint with tokenizer to ``out_dir``: ``arch`` ``qwen2`` (``Qwen2ForCausalLM``),
+    ``qwen3`` (Qwen3's attention: q/k RMS norms, no qkv bias) or ``qwen3_moe`` (Qwen3-MoE: every layer's MLP a
+    router over `TINY_EXPERTS` experts, top-`TINY_EXPERTS_PER_TOKEN`, weights renormalised as Qwen3-MoE's are).
 
     The directory holds config.json, generation_config.json, model.safetensors, tokenizer.json,
     tokenizer_config.json and chat_template.jinja. It is built in a sibling temp directory and
     renamed into place, so a reader never sees a half-written model. Returns ``out_dir``.
     """
     out = Path(out_dir).resolve()
-    _check_args(out, template, hidden_size, vocab_size, overwrite)
+    _check_args(out, template, hidden_size, vocab_size, overwrite, arch)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -108,6 +116,7 @@ def make_tiny_model(
             seed=seed,
             vocab_size=vocab_size,
             max_position_embeddings=max_position_embeddings,
+            arch=arch,
         )
         if out.exists():
             shutil.rmtree(out)
@@ -128,9 +137,11 @@ def special_tokens(template: Template | str) -> tuple[str, ...]:
     return QWEN_SPECIAL_TOKENS + MARKUP_TOKENS + llama
 
 
-def _check_args(out: Path, template: str, hidden_size: int, vocab_size: int, overwrite: bool) -> None:
-    if template not in ("qwen", "llama3"):
-        raise ValueError(f"unknown template {template!r}: use 'qwen' or 'llama3'")
+def _check_args(out: Path, template: str, hidden_size: int, vocab_size: int, overwrite: bool, arch: str) -> None:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}: use one of {', '.join(ARCHS)}")
+    if template not in ("qwen", "llama3", "qwen3"):
+        raise ValueError(f"unknown template {template!r}: use 'qwen', 'qwen3' or 'llama3'")
     if hidden_size % (2 * _HEADS) != 0:
         # rotary embeddings need an even head dim, and there are _HEADS heads
         raise ValueError(f"hidden_size={hidden_size} must be a multiple of {2 * _HEADS}")
@@ -271,11 +282,12 @@ def _save_model(
     seed: int,
     vocab_size: int,
     max_position_embeddings: int,
+    arch: Arch = "qwen2",
 ) -> None:
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    config = Qwen2Config(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=4 * hidden_size,
@@ -290,10 +302,23 @@ def _save_model(
         pad_token_id=token_ids["pad"],
         dtype="float32",
     )
+    if arch == "qwen2":
+        config: Any = Qwen2Config(**common)
+    elif arch == "qwen3":
+        config = Qwen3Config(**common, head_dim=hidden_size // _HEADS)
+    else:
+        config = Qwen3MoeConfig(
+            **common,
+            num_experts=TINY_EXPERTS,
+            num_experts_per_tok=TINY_EXPERTS_PER_TOKEN,
+            moe_intermediate_size=2 * hidden_size,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+        )
     # fork_rng: seed the init without disturbing the caller's global RNG stream
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).float()  # even if the caller changed the default dtype
+        model = AutoModelForCausalLM.from_config(config).float()  # even if the caller changed the default dtype
     model.generation_config = GenerationConfig(
         bos_token_id=token_ids["bos"], eos_token_id=token_ids["eos_all"], pad_token_id=token_ids["pad"]
     )
