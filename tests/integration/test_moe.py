@@ -95,6 +95,9 @@ async def _served_after_a_swap(moe_dir: Path, checkpoint: Path, trained: Any) ->
     prompt = [11, 12, 13, 14]
     with start_hf_server(moe_dir, seed=0) as server:
         async with EngineClient([server.url]) as client:
+            # the hub's layout (one tensor per expert, as make-tiny-model and real checkpoints store it), converted
+            # by transformers' own mapping, as the run's version 0 is published; then arl's trained checkpoint
+            await client.update_weights_from_disk(str(moe_dir), weight_version=1)
             await client.update_weights_from_disk(str(checkpoint), weight_version=2)
             result = await client.generate(prompt, {"max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True})
     assert result.weight_version == 2

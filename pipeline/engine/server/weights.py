@@ -82,6 +82,39 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def to_model_names(model: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` under the served model's own parameter names. A checkpoint in the hub's layout (a Qwen3-MoE's
+    experts one tensor each: `experts.0.gate_proj.weight`, ...) is converted by transformers' own conversion mapping
+    of the model (what `from_pretrained` applies: experts fused into `gate_up_proj`/`down_proj`); names that are
+    already parameters pass as they are."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if all(name in params for name in tensors):
+        return tensors
+    from copy import deepcopy
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming, rename_source_key
+
+    conversions = getattr(model, "_weight_conversions", None) or get_model_conversion_mapping(model, add_legacy=False)
+    conversions = [c for c in conversions if not isinstance(c, PrefixChange)]
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    pending: dict[str, Any] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(tensors):
+        target, pattern = rename_source_key(name, renamings, converters)
+        if pattern is None:
+            out[target] = tensors[name]
+            continue
+        converter = pending.setdefault(target, deepcopy(by_pattern[pattern]))
+        converter.add_tensor(target, name, pattern, tensors[name])
+    for target, converter in pending.items():
+        for key, value in converter.convert(target, model=model, config=model.config).items():
+            out[key] = value[0] if isinstance(value, list) else value
+    return out
+
+
 def check_named_tensors(
     model: Any, named: dict[str, torch.Tensor] | list[tuple[str, list[int]]], *, require_all: bool
 ) -> None:

@@ -31,7 +31,13 @@ import torch
 
 from pipeline.engine.server.hf.batcher import Scheduler
 from pipeline.engine.server.requests import RequestError
-from pipeline.engine.server.weights import apply_named_tensors, check_named_tensors, read_checkpoint, swap_named_tensors
+from pipeline.engine.server.weights import (
+    apply_named_tensors,
+    check_named_tensors,
+    read_checkpoint,
+    swap_named_tensors,
+    to_model_names,
+)
 from pipeline.engine.weight_group import destroy_weight_group, init_weight_group, parse_dtype, receive_from_trainer
 from schemas.engine_api import InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput
 
@@ -73,7 +79,7 @@ class WeightUpdates:
 
     async def update_from_disk(self, model_path: str, version: int | None, abort_all: bool) -> str:
         try:
-            tensors = await asyncio.to_thread(read_checkpoint, model_path)
+            tensors = to_model_names(self.model, await asyncio.to_thread(read_checkpoint, model_path))
             check_named_tensors(self.model, tensors, require_all=True)
             maybe_corrupt(tensors, version)
             await maybe_stall()
