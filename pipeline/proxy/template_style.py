@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.errors import ArlError
+
 Message = dict[str, Any]
 Render = Callable[[Sequence[Message], Sequence[dict] | None, bool], str]
 """Renders (messages, tools, add_generation_prompt) with the raw template, raising whatever the template raises."""
@@ -31,8 +33,8 @@ _TURN_MARK = "\x00ARL_TURN\x00"
 _TOOLS = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}]
 
 
-class UnsupportedTemplate(ValueError):
-    """The chat template cannot render a conversation the proxy must be able to serve."""
+class UnsupportedTemplate(ArlError, ValueError):
+    """The chat template cannot render a conversation the proxy must be able to serve (printed in one line)."""
 
 
 @dataclass(frozen=True)
