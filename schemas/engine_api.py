@@ -139,6 +139,12 @@ class GenerateReqInput(_Strict):
     `meta_info.output_top_logprobs`, from the distribution the token logprobs come from (and of each
     scored prompt position in `meta_info.input_top_logprobs`, from the raw logits)."""
     return_text_in_logprobs: bool = False
+    return_routed_experts: bool = False
+    """SGLang's: the experts each token was routed to, in `meta_info.routed_experts` (base64 of int32
+    `[positions, layers, top_k]` over positions `[routed_experts_start_len, seqlen - 1)`); a mixture-of-experts model
+    only."""
+    routed_experts_start_len: int = 0
+    """The first position of `meta_info.routed_experts` (0: the whole prompt; at most the prompt's length)."""
     stream: bool = False
     session_id: str | None = None
     """Accepted for SGLang compatibility (routing identity); the hf engine does not use it."""

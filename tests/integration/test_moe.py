@@ -102,3 +102,53 @@ async def _served_after_a_swap(moe_dir: Path, checkpoint: Path, trained: Any) ->
             result = await client.generate(prompt, {"max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True})
     assert result.weight_version == 2
     assert_close(result.output_logprobs, teacher_forced(trained, prompt, result.output_ids), tol=1e-5)
+
+
+async def test_the_hf_engine_returns_the_experts_each_token_was_routed_to(moe_dir: Path, tiny_model_dir: Path) -> None:
+    """SGLang's contract (`return_routed_experts`, `routed_experts_start_len`; `meta_info.routed_experts`: base64 of
+    int32 `[positions, layers, top_k]` over `[start, seqlen - 1)`), for requests batched together: each position's
+    experts are those transformers' own routers choose in one unbatched forward of the same tokens."""
+    import base64
+
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.engine.server.hf.routing import capturing, find_routers, per_row
+
+    reference: Any = AutoModelForCausalLM.from_pretrained(str(moe_dir), dtype=torch.float32).eval()
+    layers = reference.config.num_hidden_layers
+    cases = [([5, 6, 7, 8, 9], 0), ([20 + i for i in range(11)], 4), ([40, 41], 2)]
+    with start_hf_server(moe_dir, max_batch_size=8, seed=0) as server:
+
+        async def one(client: httpx.AsyncClient, prompt: list[int], start: int) -> dict[str, Any]:
+            body = {"input_ids": prompt, "return_routed_experts": True, "routed_experts_start_len": start,
+                    "sampling_params": {"max_new_tokens": 7, "temperature": 1.0, "ignore_eos": True}}  # fmt: skip
+            resp = await client.post(server.url + "/generate", json=body)
+            assert resp.status_code == 200, resp.text
+            return resp.json()
+
+        async with httpx.AsyncClient(timeout=60) as client:
+            results = await asyncio.gather(*(one(client, p, s) for p, s in cases))
+            past = await client.post(server.url + "/generate", json={"input_ids": [5, 6], "return_routed_experts": True,
+                                                                       "routed_experts_start_len": 3})  # fmt: skip
+            plain = await client.post(server.url + "/generate", json={"input_ids": [5, 6]})
+    assert past.status_code == 400 and "routed_experts_start_len=3" in past.text
+    assert plain.status_code == 200 and "routed_experts" not in plain.json()["meta_info"]
+    routers = find_routers(reference)
+    assert len(routers) == layers
+    for (prompt, start), data in zip(cases, results, strict=True):
+        fed = prompt + data["output_ids"][:-1]  # the last sampled token is never fed through the model
+        raw = np.frombuffer(base64.b64decode(data["meta_info"]["routed_experts"]), dtype="<i4")
+        got = raw.reshape(-1, layers, TINY_EXPERTS_PER_TOKEN)
+        assert got.shape[0] == len(fed) - start
+        with torch.no_grad(), capturing(routers, True) as captured:
+            reference(input_ids=torch.tensor([fed]))
+        assert captured is not None
+        want = per_row(captured, 1)[0, start:].numpy()
+        assert (got == want).all()
+
+    with start_hf_server(tiny_model_dir, seed=0) as dense:
+        resp = httpx.post(
+            dense.url + "/generate", json={"input_ids": [5, 6], "return_routed_experts": True}, timeout=60
+        )
+    assert resp.status_code == 400 and "mixture-of-experts" in resp.text

@@ -765,3 +765,16 @@ def test_adapter_publisher_follows_sglangs_lora_protocol(tiny_model_dir: Path, t
     while [r["lora_name"] for r in judge.records(mark, "UnloadLoRAAdapterReqInput")] != [lora_adapter_name(first)]:
         assert time.monotonic() < deadline, judge.records(mark, "UnloadLoRAAdapterReqInput")
         time.sleep(0.2)
+
+
+def test_sglang_reads_arls_routed_experts_request(judge_json: JudgeJson) -> None:
+    """`return_routed_experts` and `routed_experts_start_len` (the hf engine serves them natively, test_moe.py) are
+    SGLang's own fields: its io_struct reads arl's body with both kept and nothing ignored."""
+    body = {"input_ids": PROMPT, "return_routed_experts": True, "routed_experts_start_len": 2,
+            "sampling_params": {"max_new_tokens": 4}}  # fmt: skip
+    answer = judge_json("check-bodies", stdin=[{"type": "GenerateReqInput", "body": body}])
+    (result,) = answer["results"]
+    assert result["ok"] and result["ignored"] == [], result
+    assert result["fields"]["return_routed_experts"] is True and result["fields"]["routed_experts_start_len"] == 2
+    (item,) = expand(GenerateReqInput.model_validate(body), Limits(1000, 512), tokenizer=None)
+    assert item.routed_experts_start == 2

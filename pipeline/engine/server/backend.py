@@ -44,6 +44,8 @@ class Progress:
     """Per new token, the weight version that sampled it; None: every one `weight_version`."""
     cached_tokens: int = 0
     """Prompt tokens served from the prefix cache (SGLang's `meta_info.cached_tokens`)."""
+    routed_experts: str | None = None
+    """On the last event of a completion that asked (`return_routed_experts`): SGLang's `meta_info.routed_experts`."""
 
     def versions(self) -> list[int]:
         """The weight version of each new token."""

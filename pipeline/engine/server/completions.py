@@ -27,6 +27,7 @@ async def complete(backend: EngineBackend, item: WorkItem, text_in_logprobs: boo
     prompt: PromptLogprobs | None = None
     versions: list[int] = []
     cached = 0
+    routed: str | None = None
     last = Progress([], [], backend.weight_version)
     async with contextlib.aclosing(backend.generate(item, stream=False)) as progress:
         async for last in progress:
@@ -36,6 +37,7 @@ async def complete(backend: EngineBackend, item: WorkItem, text_in_logprobs: boo
             versions += last.versions()
             prompt = prompt or last.prompt
             cached = max(cached, last.cached_tokens)
+            routed = last.routed_experts or routed
     produced = Produced(
         output_ids=ids,
         logprobs=logprobs,
@@ -45,6 +47,7 @@ async def complete(backend: EngineBackend, item: WorkItem, text_in_logprobs: boo
         prompt_logprobs=prompt,
         versions=versions,
         cached_tokens=cached,
+        routed_experts=routed,
     )
     return response(item, produced, backend.tokenizer, text_in_logprobs=text_in_logprobs)
 
@@ -101,6 +104,7 @@ class _Chunks:
             prompt_logprobs=self.prompt,
             versions=self.versions,
             cached_tokens=self.cached,
+            routed_experts=event.routed_experts,
         )  # no top logprobs: each position's JSON is encoded once and spliced in below
         chunk = response(self.item, produced, self.tokenizer, text_in_logprobs=self.text_in_logprobs)
         meta = chunk["meta_info"]

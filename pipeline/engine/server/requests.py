@@ -40,6 +40,8 @@ class WorkItem:
     """First prompt position scored in `meta_info.input_token_logprobs`; -1 = none (only with `return_logprob`)."""
     lora: str | None = None
     """The loaded LoRA adapter that serves it (`lora_path`); None: the base model."""
+    routed_experts_start: int = -1
+    """First position of `meta_info.routed_experts` (`return_routed_experts`); -1 = not asked."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ def expand(req: GenerateReqInput, limits: Limits, tokenizer: Any) -> list[WorkIt
             )
         # Like SGLang: the completion is clipped to what fits in the context, not refused.
         max_new = min(sp.max_new_tokens, limits.max_context - len(prompt))
+        routed = _routed_start(req, len(prompt), where)
         rids_of = [rid] if sp.n == 1 else [f"{rid}_{j}" for j in range(sp.n)]
         items.extend(
             WorkItem(
@@ -94,12 +97,25 @@ def expand(req: GenerateReqInput, limits: Limits, tokenizer: Any) -> list[WorkIt
                 top_logprobs_num=int(top),
                 logprob_start_len=start,
                 lora=lora,
+                routed_experts_start=routed,
             )
             for r in rids_of
         )
     if req.stream and len(items) != 1:
         raise RequestError(f"stream=true needs one prompt with n=1; this request expands to {len(items)} completions")
     return items
+
+
+def _routed_start(req: GenerateReqInput, prompt_len: int, where: str) -> int:
+    """`routed_experts_start_len` when `return_routed_experts`, else -1; in [0, prompt length] as SGLang requires."""
+    if not req.return_routed_experts:
+        return -1
+    start = req.routed_experts_start_len
+    if not 0 <= start <= prompt_len:
+        raise RequestError(
+            f"routed_experts_start_len={start}{where} must be in [0, {prompt_len}] (the prompt's tokens)"
+        )
+    return start
 
 
 def _prompts(req: GenerateReqInput, tokenizer: Any) -> list[list[int]]:
@@ -194,6 +210,8 @@ class Produced:
     """The weight version of each output token, sent as arl's `meta_info.weight_version_spans`; None: not sent."""
     cached_tokens: int = 0
     """Prompt tokens served from the prefix cache (SGLang's `meta_info.cached_tokens`)."""
+    routed_experts: str | None = None
+    """SGLang's `meta_info.routed_experts` (base64), once the completion has finished, when it was asked."""
 
 
 def response(
@@ -217,6 +235,8 @@ def response(
     }
     if versions is not None:
         meta["weight_version_spans"] = version_spans(versions)
+    if produced.routed_experts is not None:
+        meta["routed_experts"] = produced.routed_experts
     if item.return_logprob and item.logprob_start_len >= 0 and prompt_logprobs is not None:
         scored = item.input_ids[item.logprob_start_len :]
         meta["input_token_logprobs"] = [

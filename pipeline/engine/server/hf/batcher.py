@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from pipeline.engine.server.backend import Progress
+from pipeline.engine.server.hf import routing
 from pipeline.engine.server.hf.kvbatch import KVBatch, cache_tensors, dynamic_cache
 from pipeline.engine.server.hf.lora_adapters import LoraAdapters, serving
 from pipeline.engine.server.hf.prefix_cache import PrefixCache, close_holes, prefill_inputs, store_finished
@@ -82,6 +83,8 @@ class Scheduler:
         lora: LoraAdapters | None = None,
     ) -> None:
         self.model = model
+        self.routers = routing.find_routers(model)
+        """The model's MoE routers (none for a dense model): `return_routed_experts` reads their choices."""
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_batch_size = max_batch_size
@@ -279,7 +282,7 @@ class Scheduler:
     def _prefill(self, fresh: list[Seq], keep: int = 1) -> None:
         """Prefill `fresh` and sample their first tokens; `keep` > 1 (one sequence): score its prompt too."""
         inputs = prefill_inputs(self.prefix_cache, fresh, self.pad_id, self.device)  # from cached prefixes
-        with serving(self.lora, fresh):
+        with serving(self.lora, fresh), routing.capturing(self.routers, routing.wanted(fresh)) as routed:
             out = self.model(
                 input_ids=inputs.ids,
                 attention_mask=inputs.mask,
@@ -288,6 +291,7 @@ class Scheduler:
                 use_cache=True,
                 logits_to_keep=max(keep, 1),
             )
+        routing.assign_prefill(routed, fresh)
         for row, seq in enumerate(fresh):
             if wants_prompt_scored(seq):
                 seq.prompt = prompt_logprobs(
@@ -309,10 +313,12 @@ class Scheduler:
             time.sleep(self.decode_delay_s)
         last = torch.tensor([[s.output[-1]] for s in self._running], device=self.device)
         mask, positions, cache = self._batch.decode_inputs(self.model.config)  # the forward extends `cache` in place
-        with serving(self.lora, self._running):
+        wanted = routing.wanted(self._running)
+        with serving(self.lora, self._running), routing.capturing(self.routers, wanted) as routed:
             out = self.model(
                 input_ids=last, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
             )
+        routing.assign_decode(routed, self._running)
         self._sample(self._running, out.logits[:, -1])
         self._drop_finished()
 
@@ -380,6 +386,7 @@ class Scheduler:
             prompt,
             new_versions=seq.versions[start:],
             cached_tokens=seq.cached_tokens,
+            routed_experts=routing.answer(seq),
         )
 
     def _finish(self, seq: Seq, finish: dict[str, Any]) -> None:

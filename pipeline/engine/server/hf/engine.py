@@ -105,6 +105,10 @@ class HFEngine(WeightUpdates):
         """The scheduler's events for `item` (not streamed: only the last, holding everything); aborts it if closed
         early."""
         params = item.params
+        if item.routed_experts_start >= 0 and not self.scheduler.routers:
+            raise RequestError(
+                "return_routed_experts needs a mixture-of-experts model; the served model has no expert routers"
+            )
         queue: asyncio.Queue[Progress] = asyncio.Queue()
         top_k = item.top_logprobs_num if item.return_logprob else 0  # zero: no top-k work for this row
         sampling = RowSampling(
@@ -121,6 +125,7 @@ class HFEngine(WeightUpdates):
             events=queue,
             logprob_start_len=item.logprob_start_len if item.return_logprob else -1,
             lora=self.lora.get(item.lora) if item.lora is not None else None,
+            routed_experts_start=item.routed_experts_start,
             stream=stream,
         )
         self.scheduler.submit(request)

@@ -244,7 +244,8 @@ def prefill_inputs(cache: PrefixCache | None, fresh: list[Seq], pad_id: int, dev
     if cache is not None:
         for row, seq in enumerate(fresh):
             seq.cache_epoch = cache.epoch
-            if seq.req.logprob_start_len < 0 and seq.req.lora is None:
+            # a cached prefix was computed without routing capture: a request asking for its experts computes it
+            if seq.req.logprob_start_len < 0 and seq.req.lora is None and seq.req.routed_experts_start < 0:
                 hits[row] = cache.lookup(tokens[row])
     for seq, hit in zip(fresh, hits, strict=True):
         if hit is not None:

@@ -27,6 +27,8 @@ class GenRequest:
     """Score the prompt from this position on (SGLang's input logprobs); -1: no."""
     lora: Any = None
     """The `lora_adapters.Adapter` serving it; None: the base model."""
+    routed_experts_start: int = -1
+    """Return the experts each token was routed to from this position on (`return_routed_experts`); -1: no."""
     stream: bool = True
     """Deliver each step's tokens as they come; False: one event when the request finishes (nobody reads the
     intermediate ones, and each costs the event loop a wake-up per token while it shares the CPU with the model)."""
@@ -51,6 +53,8 @@ class Seq:
     """Prompt tokens whose KV came from the prefix cache (`prefix_cache.py`) rather than the prefill."""
     cache_epoch: int = -1
     """The prefix cache's epoch when this sequence's KV was computed: stored at the end only if unchanged."""
+    routed: Any = None
+    """`[positions, layers, top_k]` int32: the experts of each token fed so far (routing.py); None unless asked."""
 
     def version_now(self, current: int) -> int:
         """The version a token sampled now comes from: its adapter's (arl's adapter names carry one), else the

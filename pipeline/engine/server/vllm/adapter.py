@@ -110,6 +110,11 @@ class VLLMAdapter:
         # Streamed from vLLM whether the caller streams or not: each token's version is the one current when
         # it arrives (gate.py). Prompt logprobs are not streamed by vLLM: one answer (`_scored`).
         scored = item.logprob_start_len >= 0
+        if item.routed_experts_start >= 0:
+            raise RequestError(
+                "return_routed_experts is not served by arl's vLLM adapter: the vLLM CPU build has no routing capture "
+                "(serve the model with the hf engine, or SGLang with --enable-return-routed-experts)"
+            )
         self.loras.acquire(item.lora)  # an unload of its adapter waits for it
         try:
             await self.gate.admit(probe=_is_probe(item))
