@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from pipeline.engine.server.backend import Progress
-from pipeline.engine.server.hf import routing
+from pipeline.engine.server.hf import routing, sequences
 from pipeline.engine.server.hf.kvbatch import KVBatch, cache_tensors, dynamic_cache
 from pipeline.engine.server.hf.lora_adapters import LoraAdapters, serving
 from pipeline.engine.server.hf.prefix_cache import PrefixCache, close_holes, prefill_inputs, store_finished
@@ -374,20 +374,7 @@ class Scheduler:
 
     # -- delivery ---------------------------------------------------------------------------
     def _progress(self, seq: Seq) -> Progress:
-        start, seq.emitted = seq.emitted, len(seq.output)
-        prompt = None if seq.prompt_sent else seq.prompt
-        seq.prompt_sent = seq.prompt_sent or prompt is not None
-        return Progress(
-            seq.output[start:],
-            seq.logprobs[start:],
-            self.weight_version,
-            seq.finish,
-            seq.top[start:],
-            prompt,
-            new_versions=seq.versions[start:],
-            cached_tokens=seq.cached_tokens,
-            routed_experts=routing.answer(seq),
-        )
+        return sequences.next_progress(seq, self.weight_version, routing.answer(seq))
 
     def _finish(self, seq: Seq, finish: dict[str, Any]) -> None:
         if seq.finish is not None:
@@ -404,7 +391,7 @@ class Scheduler:
             by_loop.setdefault(seq.req.loop, []).append((seq.req.events, event))
         for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(sequences.deliver, items)
             except RuntimeError:  # that event loop is closed: nobody is waiting any more
                 pass
 
@@ -422,8 +409,3 @@ class Scheduler:
         for _, future in commands:
             future.set_exception(RuntimeError(message))
         self._flush()
-
-
-def _deliver(items: list[tuple[asyncio.Queue[Progress], Progress]]) -> None:
-    for queue, event in items:
-        queue.put_nowait(event)

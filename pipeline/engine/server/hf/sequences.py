@@ -86,3 +86,27 @@ def finish_of(seq: Seq, token: int, tokenizer: Any, max_context: int) -> dict[st
     if len(seq.output) >= req.max_new_tokens or len(req.input_ids) + len(seq.output) >= max_context:
         return {"type": "length", "length": len(seq.output)}
     return None
+
+
+def next_progress(seq: Seq, weight_version: int, routed_experts: str | None) -> Progress:
+    """What `seq` produced since its last event (`weight_version`: the served weights now)."""
+    start, seq.emitted = seq.emitted, len(seq.output)
+    prompt = None if seq.prompt_sent else seq.prompt
+    seq.prompt_sent = seq.prompt_sent or prompt is not None
+    return Progress(
+        seq.output[start:],
+        seq.logprobs[start:],
+        weight_version,
+        seq.finish,
+        seq.top[start:],
+        prompt,
+        new_versions=seq.versions[start:],
+        cached_tokens=seq.cached_tokens,
+        routed_experts=routed_experts,
+    )
+
+
+def deliver(items: list[tuple[asyncio.Queue[Progress], Progress]]) -> None:
+    """Put events on their requests' queues (run on each request's own event loop)."""
+    for queue, event in items:
+        queue.put_nowait(event)
