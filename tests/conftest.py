@@ -16,6 +16,26 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3 (`make-tiny-model --arch qwen3`), its q/k norms drawn at random (they start as ones, which
+    would let a swapped or dropped norm pass a comparison)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.demo.tiny_model import make_tiny_model
+
+    out = make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), arch="qwen3", template="qwen3")
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.copy_(0.5 + torch.rand(param.shape, generator=generator))
+    model.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same tiny model with the Llama 3.1 chat template and special tokens, built once per session."""
     from pipeline.demo.tiny_model import make_tiny_model

@@ -32,6 +32,11 @@ def tiny_untied_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def _model_dir(which: str, request: pytest.FixtureRequest) -> Path:
+    fixture = {"qwen": "tiny_model_dir", "llama": "tiny_untied_llama", "qwen3": "tiny_qwen3_dir"}[which]
+    return Path(request.getfixturevalue(fixture))
+
+
 @pytest.fixture
 def single_rank() -> Iterator[None]:
     """megatron's process groups for one process; torn down (shim removed) afterwards."""
@@ -65,15 +70,15 @@ def packed_row(lengths: list[int], vocab: int, seed: int = 0) -> tuple[MicroBatc
     return micro, samples
 
 
-@pytest.mark.parametrize("which", ["qwen", "llama"])
+@pytest.mark.parametrize("which", ["qwen", "llama", "qwen3"])
 def test_logits_equal_hf_for_single_and_packed_samples(
-    which: str, tiny_model_dir: Path, tiny_untied_llama: Path, single_rank: None
+    which: str, request: pytest.FixtureRequest, single_rank: None
 ) -> None:
     from transformers import AutoModelForCausalLM
 
     from pipeline.trainer.megatron.forward import pack_inputs, run_stage
 
-    model_dir = tiny_model_dir if which == "qwen" else tiny_untied_llama
+    model_dir = _model_dir(which, request)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     model = megatron_model(model_dir)
     micro, samples = packed_row([9, 17, 6], vocab=hf.config.vocab_size)
@@ -95,17 +100,15 @@ def _single(ids: torch.Tensor) -> MicroBatch:
                       TokenBatch(zero, zero, zero, zero), [0], [n])  # fmt: skip
 
 
-@pytest.mark.parametrize("which", ["qwen", "llama"])
-def test_hf_to_megatron_model_to_hf_is_bit_exact(
-    which: str, tiny_model_dir: Path, tiny_untied_llama: Path, single_rank: None
-) -> None:
+@pytest.mark.parametrize("which", ["qwen", "llama", "qwen3"])
+def test_hf_to_megatron_model_to_hf_is_bit_exact(which: str, request: pytest.FixtureRequest, single_rank: None) -> None:
     from safetensors.torch import load_file
 
     from pipeline.trainer.megatron.model import ModelDims
     from pipeline.trainer.megatron.parallel import Topology
     from pipeline.trainer.megatron.transfer import gather_hf
 
-    model_dir = tiny_model_dir if which == "qwen" else tiny_untied_llama
+    model_dir = _model_dir(which, request)
     model = megatron_model(model_dir)
     dims = ModelDims.from_hf(model_dir)
     exported = gather_hf(model, dims, Topology(0, 1, 0, 1, 0, 1, 0, 1, torch.device("cpu")), torch.float32)

@@ -6,7 +6,7 @@ megatron's local names; `megatron_to_hf` merges the TP slices of one stage back 
 tensors. The backend gathers each rank's slices (`backend.py`) and calls the latter, for checkpoints
 and for weight publication alike, so inference servers only ever see HF names.
 
-Layouts (megatron-core 0.16 local spec, HF Qwen2/Llama):
+Layouts (megatron-core 0.16 local spec, HF Qwen2/Qwen3/Llama):
 - `linear_qkv` (column parallel): rows grouped per KV head g as [q heads of g | k_g | v_g], each
   head `head_dim` rows; TP rank r holds the contiguous groups [r*G/tp, (r+1)*G/tp). Same for the
   Qwen2 qkv bias. (HF query head i belongs to group i // (heads / kv_heads), as in GQA.)
@@ -14,7 +14,7 @@ Layouts (megatron-core 0.16 local spec, HF Qwen2/Llama):
   because megatron's glu splits ITS LOCAL output in two halves: gate first.
 - `linear_proj`, `linear_fc2` (row parallel): column slices.
 - embedding / output layer (vocab parallel): row slices of the vocab padded to a multiple of tp.
-- norms: replicated on every TP rank.
+- norms: replicated on every TP rank (Qwen3's per-head `q_norm`/`k_norm` are megatron's `q_layernorm`/`k_layernorm`).
 - pipeline stage s holds layers [offset, offset + n) under local indices 0..n-1; the embedding lives
   on the first stage, final norm and output layer on the last (with tied embeddings and pp > 1 the
   last stage keeps its own copy of the embedding as output layer, kept equal by megatron's
@@ -57,6 +57,10 @@ def stage_shard(dims: ModelDims, tp_rank: int, tp: int, pp_rank: int, pp: int) -
 
 
 # -- HF -> megatron (load) ---------------------------------------------------------------------------
+QK_NORMS = (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm"))
+"""Qwen3's per-head query/key RMSNorms: (HF name, megatron name) under the attention module."""
+
+
 def hf_to_megatron(get: Callable[[str], torch.Tensor], dims: ModelDims, shard: Shard) -> dict[str, torch.Tensor]:
     """This rank's parameters under megatron names; `get(hf_name)` reads one HF tensor (e.g. lazily from disk)."""
     r, tp = shard.tp_rank, shard.tp
@@ -75,6 +79,8 @@ def hf_to_megatron(get: Callable[[str], torch.Tensor], dims: ModelDims, shard: S
                 get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias"), dims, r, tp
             )
         out[mg + "self_attention.linear_proj.weight"] = get(attn + "o_proj.weight").chunk(tp, dim=1)[r].clone()
+        for norm in QK_NORMS if dims.qk_norm else ():  # per head over head_dim: replicated on every TP rank
+            out[mg + f"self_attention.{norm[1]}.weight"] = get(attn + f"{norm[0]}.weight").clone()
         out[mg + "pre_mlp_layernorm.weight"] = get(hf + "post_attention_layernorm.weight").clone()
         gate = get(hf + "mlp.gate_proj.weight").chunk(tp, dim=0)[r]
         up = get(hf + "mlp.up_proj.weight").chunk(tp, dim=0)[r]
@@ -139,6 +145,8 @@ def megatron_to_hf(
             qb, kb, vb = _split_qkv(cat(mg + "self_attention.linear_qkv.bias", 0), dims)
             out.update({attn + "q_proj.bias": qb, attn + "k_proj.bias": kb, attn + "v_proj.bias": vb})
         out[attn + "o_proj.weight"] = cat(mg + "self_attention.linear_proj.weight", 1)
+        for norm in QK_NORMS if dims.qk_norm else ():
+            out[attn + f"{norm[0]}.weight"] = first[mg + f"self_attention.{norm[1]}.weight"].clone()
         out[hf + "post_attention_layernorm.weight"] = first[mg + "pre_mlp_layernorm.weight"].clone()
         halves = [s[mg + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in tp_shards]
         out[hf + "mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves], dim=0)

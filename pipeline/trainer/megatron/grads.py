@@ -2,6 +2,9 @@
 
 On GPU, megatron's `finalize_model_grads` and optimizer do the same three things.
 
+- Tensor parallel, Qwen3's q/k layernorms: each TP rank applies the same norm weights to its own heads, so each
+  holds part of their gradient; the parts are summed over the TP group (as `finalize_model_grads` does for
+  `qk_layernorm`). Every other replicated parameter (the block norms) sees the same input on every TP rank.
 - Data parallel: the loss weights are global (the minibatch loss is the SUM over ranks' micro-batch
   losses, see losses.py), so gradients are all-reduced with SUM, not averaged.
 - Tied embeddings with pp > 1: the first stage's embedding and the last stage's copy used as output
@@ -22,13 +25,19 @@ import torch
 from pipeline.trainer.megatron.parallel import Topology
 
 
-def sync_cpu_grads(model: torch.nn.Module, dp_group: Any, embd_group: Any, topo: Topology) -> None:
+def sync_cpu_grads(
+    model: torch.nn.Module, dp_group: Any, embd_group: Any, topo: Topology, tp_group: Any = None
+) -> None:
     import torch.distributed as dist
 
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+    if topo.tp > 1 and tp_group is not None:
+        for name, p in model.named_parameters():
+            if p.requires_grad and ("q_layernorm" in name or "k_layernorm" in name):
+                dist.all_reduce(p.grad, group=tp_group)  # type: ignore[arg-type]
     if topo.pp > 1 and embd_group is not None and _in_group(embd_group):
         for p in params:
             if getattr(p, "shared_embedding", False):

@@ -225,9 +225,12 @@ class MegatronBackend:
             finalize_model_grads([self.ddp])
             _, grad_norm, _ = self.optimizer.step()
             return float(grad_norm) if grad_norm is not None else float("nan")
+        from megatron.core import parallel_state
+
         from pipeline.trainer.megatron.grads import clip_global_norm, sync_cpu_grads
 
-        sync_cpu_grads(self.model, self.dp_group, self.embd_group, self.topo)
+        tp_group = parallel_state.get_tensor_model_parallel_group() if self.topo.tp > 1 else None
+        sync_cpu_grads(self.model, self.dp_group, self.embd_group, self.topo, tp_group)
         grad_norm = clip_global_norm(
             list(self.model.parameters()), self.config.trainer.optimizer.grad_clip, self.mp_group
         )

@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
 
 @dataclass(frozen=True)
 class ModelDims:
-    """The architecture of a Qwen2/Llama-family checkpoint, as megatron needs it."""
+    """The architecture of a Qwen2/Qwen3/Llama-family checkpoint, as megatron needs it."""
 
     model_type: str
     vocab_size: int
@@ -52,6 +52,8 @@ class ModelDims:
     qkv_bias: bool
     tied_embeddings: bool
     max_position_embeddings: int
+    qk_norm: bool = False
+    """Qwen3: an RMSNorm over each head's queries and keys before rope (megatron's `qk_layernorm`)."""
 
     @classmethod
     def from_hf(cls, model_dir: Path) -> ModelDims:
@@ -70,8 +72,10 @@ class ModelDims:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"{where}: hidden_act {act!r} is not supported (SwiGLU with silu only)")
-        if cfg.get("mlp_bias") or (model_type == "llama" and cfg.get("attention_bias")):
-            raise ValueError(f"{where}: Llama with attention_bias/mlp_bias is not supported by the megatron backend")
+        if cfg.get("mlp_bias") or (model_type != "qwen2" and cfg.get("attention_bias")):
+            raise ValueError(
+                f"{where}: {model_type} with attention_bias/mlp_bias is not supported by the megatron backend"
+            )
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         theta, factor = _rope(cfg, where)
@@ -90,6 +94,7 @@ class ModelDims:
             qkv_bias=model_type == "qwen2",
             tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            qk_norm=model_type == "qwen3",
         )
 
     def padded_vocab(self, tp: int) -> int:
@@ -101,7 +106,7 @@ class ModelDims:
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         q = self.num_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
-        layer = attn + 3 * h * self.ffn_hidden_size + 2 * h
+        layer = attn + 3 * h * self.ffn_hidden_size + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         embed = self.vocab_size * h * (1 if self.tied_embeddings else 2)
         return self.num_layers * layer + embed + h
 
@@ -162,6 +167,7 @@ def transformer_config(dims: ModelDims, run: RunSettings) -> Any:
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=dims.qkv_bias,
+        qk_layernorm=dims.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -185,15 +191,16 @@ def transformer_config(dims: ModelDims, run: RunSettings) -> Any:
     )
 
 
-def layer_spec() -> Any:
-    """megatron's local GPT layer spec (RMSNorm) with `SDPAAttention` as the core attention."""
+def layer_spec(qk_norm: bool = False) -> Any:
+    """megatron's local GPT layer spec (RMSNorm; with `qk_norm` its q/k layernorms) with `SDPAAttention` as the core
+    attention."""
     import dataclasses
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from pipeline.trainer.megatron.sdpa_attention import SDPAAttention
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
     attention = spec.submodules.self_attention
     attention.submodules = dataclasses.replace(attention.submodules, core_attention=SDPAAttention)
     return spec
@@ -205,7 +212,7 @@ def build_model(dims: ModelDims, config: Any, *, pre_process: bool, post_process
 
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(),
+        transformer_layer_spec=layer_spec(dims.qk_norm),
         vocab_size=dims.padded_vocab(config.tensor_model_parallel_size),
         max_sequence_length=dims.max_position_embeddings,
         pre_process=pre_process,
