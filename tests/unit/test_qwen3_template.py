@@ -72,3 +72,17 @@ def test_make_tiny_model_qwen3_wears_qwen3s_architecture_and_template(tmp_path) 
     assert rendered == _render(chat_template("qwen3"), messages, None, False, {}) and "<think>\nr\n</think>" in rendered
     with pytest.raises(ValueError, match="unknown arch"):
         make_tiny_model(tmp_path / "bad", arch="gpt2")  # type: ignore[arg-type]
+
+
+def test_arl_check_serves_qwen3s_template_and_says_how(tiny_qwen3_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Qwen3's template re-renders a first reply once a user follows (its empty think block goes): the launch
+    check passes it and says what each `proxy.history` does; a template that does not render is still refused."""
+    from pipeline.launch.preflight import check_template
+    from pipeline.run.config import load_config
+
+    outcome = check_template(load_config(None, [f"model.path={tiny_qwen3_dir}"]))
+    assert not outcome.problems and "proxy.history: sampled keeps one row" in outcome.detail
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{{ messages[0].nope.nope }}")
+    refused = check_template(load_config(None, [f"model.path={tiny_qwen3_dir}", f"model.chat_template={broken}"]))
+    assert len(refused.problems) == 1 and "does not render" in refused.problems[0].message
