@@ -39,19 +39,21 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run as `python benchmarks/vs_trl_seeds.py`: the root, for `benchmarks.` imports
 
-from benchmarks._workdir import work_dir  # noqa: E402
-from benchmarks.vs_trl import (  # noqa: E402
-    DEFAULT_STEPS,
+from benchmarks._demo_runs import (  # noqa: E402
     T95,
     Run,
     paired,
+    tail_mean,
+)
+from benchmarks._workdir import work_dir  # noqa: E402
+from benchmarks.vs_trl import (  # noqa: E402
+    DEFAULT_STEPS,
     reached,
     report_prompt_check,
     require_trl,
     run_arl,
     run_trl,
     seed_overrides,
-    tail_mean,
 )
 
 DEFAULT_SEEDS = 10

@@ -70,16 +70,18 @@ REPO_ROOT = HERE.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # run as `python benchmarks/vs_trl_tools.py`: the root, for `benchmarks.`
 
+from benchmarks._demo_runs import (  # noqa: E402
+    Run,
+    arl_info,
+    paired,
+    run_demo,
+    run_logged,
+    tail_mean,
+)
 from benchmarks._workdir import work_dir  # noqa: E402
 from benchmarks.vs_trl import (  # noqa: E402
-    Run,
-    _arl_info,
-    _run_logged,
     _yaml,
-    paired,
     require_trl,
-    run_demo,
-    tail_mean,
 )
 
 LABELS = ("trl", "arl-sync")
@@ -163,7 +165,7 @@ def run_trl(workdir: Path, model_dir: Path, steps: int, seed: int, overrides: li
     print(f"-- trl seed {seed}: GRPOTrainer with tools=[calculator], the task's calculate and outcome ...", flush=True)
     load, started = os.getloadavg()[0], time.time()
     omp = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}  # as vs_trl.py: idle threads sleep
-    cpu_s = _run_logged([sys.executable, str(HERE / "_trl_tools.py"), str(spec_path), str(result_path)],
+    cpu_s = run_logged([sys.executable, str(HERE / "_trl_tools.py"), str(spec_path), str(result_path)],
                         workdir / f"trl-{seed}.log", omp)  # fmt: skip
     process_s = time.time() - started
     out = json.loads(result_path.read_text())
@@ -201,7 +203,7 @@ def run_arl(workdir: Path, model_dir: Path, steps: int, seed: int, overrides: li
     print(f"-- arl-sync seed {seed}: arl demo --task tools --max-staleness 0 ...", flush=True)
     demo_dir = workdir / str(_yaml(TOOLS.config)["experiment_name"])
     demo = run_demo(cmd, demo_dir, workdir / f"arl-sync-{seed}.log", model_dir, steps)
-    info = {**_arl_info(demo.rollout), "turns_mean": [float(r.get("turns_mean") or 0.0) for r in demo.rollout]}
+    info = {**arl_info(demo.rollout), "turns_mean": [float(r.get("turns_mean") or 0.0) for r in demo.rollout]}
     for key in ("agent_errors", "prefix_breaks", "samples"):
         info[key] = [float(r.get(key) or 0.0) for r in demo.rollout]
     return demo.run("arl-sync", seed, info)
