@@ -134,7 +134,7 @@ def _watch_table(child: subprocess.Popen[bytes], paths: RunPaths, steps: int) ->
                 _preload_plotting()
             live.update(_progress_table(feed.records(), steps, time.monotonic() - started))
             _wait(child, 1.0)
-        feed.poll()
+        feed.poll(final=True)
         live.update(_progress_table(feed.records(), steps, time.monotonic() - started))
 
 
@@ -145,7 +145,7 @@ def _watch_lines(child: subprocess.Popen[bytes], paths: RunPaths, log: Path) -> 
     started = time.monotonic()
     while True:
         running = child.poll() is None
-        records = feed.poll()
+        records = feed.poll(final=not running)
         if records:
             _preload_plotting()
         for record in records:

@@ -138,11 +138,11 @@ def supervise(running: list[Running], paths: RunPaths, console: Console, *, poll
             if code is None or r.record.exit_code is not None:
                 continue
             _reap(r, paths, code, stopped=False)
+            _print_steps(feed, console, final=True)
             if r.record.stopped:
                 console.print(f"stage {r.plan.stage} was stopped (`arl stop`): stopping the other stages")
                 console.print(f"continue the run with: {resume_command(paths, 'local')}", markup=False, highlight=False)
                 return 130
-            _print_steps(feed, console)
             if code != 0:
                 console.print(
                     f"[red]stage {r.plan.stage} failed ({describe_exit(code)}); see its log: {r.record.log}[/red]",
@@ -159,8 +159,8 @@ def supervise(running: list[Running], paths: RunPaths, console: Console, *, poll
         time.sleep(poll_s)
 
 
-def _print_steps(feed: StepFeed, console: Console) -> None:
-    for record in feed.poll():
+def _print_steps(feed: StepFeed, console: Console, *, final: bool = False) -> None:
+    for record in feed.poll(final=final):
         console.print(step_line(record), markup=False, highlight=False, soft_wrap=True)
 
 

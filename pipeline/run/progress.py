@@ -14,6 +14,7 @@ per step as it happens, so a pipe or a Slurm log shows the run's progress, not o
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,8 @@ class Column:
     """0 is always shown; on a narrow terminal the highest number is dropped first."""
 
 
+ROLLOUT_ROW_WAIT_S = 3.0
+"""How long `StepFeed` holds a trained step back waiting for its rollout row (then prints it without)."""
 EXACT = "agent/exact_correct"
 """The agent metric a task's headline is (the demo's: the reply is exactly right), shown when agents report it."""
 
@@ -170,15 +173,33 @@ class StepFeed:
         self.rollout: dict[int, dict[str, Any]] = {}
         self.train: dict[int, dict[str, Any]] = {}
         self.handed_out: set[int] = set()
+        self.waiting: dict[int, float] = {}
+        """Trained steps held back until their rollout row is read: when each was first seen (monotonic)."""
         if from_now:
             self.poll()
+            self.handed_out.update(self.train)
+            self.waiting.clear()
 
-    def poll(self) -> list[StepRecord]:
-        for row in self.rollout_tail.read_new():
-            self.rollout[int(row["step"])] = row
+    def poll(self, *, final: bool = False) -> list[StepRecord]:
+        """The steps trained since the last poll, each with its rollout row; `final` (the run has ended): also
+        those still waiting for it."""
+        # The train file first: a step's rollout row is normally written before its train row, so reading the
+        # rollout file after the train file finds it (the other order could hand out a step without its reward).
+        # The rollout logs its row just after publishing the step's shards, so a fast trainer can still log first:
+        # such a step waits for its rollout row, a few seconds at most.
         for row in self.train_tail.read_new():
             self.train[int(row["step"])] = row
-        new = sorted(set(self.train) - self.handed_out)
+        for row in self.rollout_tail.read_new():
+            self.rollout[int(row["step"])] = row
+        now = time.monotonic()
+        new = []
+        for step in sorted(set(self.train) - self.handed_out):
+            first_seen = self.waiting.setdefault(step, now)
+            if final or step in self.rollout or now - first_seen >= ROLLOUT_ROW_WAIT_S:
+                new.append(step)
+                self.waiting.pop(step)
+            else:
+                break  # in step order: a later step is not printed before an earlier one
         self.handed_out.update(new)
         return [StepRecord(s, self.rollout.get(s, {}), self.train[s]) for s in new]
 

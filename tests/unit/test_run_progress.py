@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
+from pipeline.run import progress
 from pipeline.run.console import people_console
 from pipeline.run.paths import RunPaths
 from pipeline.run.progress import COLUMNS, StepFeed, StepRecord, step_line, step_table
@@ -31,13 +33,35 @@ def test_feed_hands_out_each_trained_step_once_as_its_lines_arrive(tmp_path: Pat
     _append(paths.train_metrics, json.dumps({"step": 0, **TRAIN}) + "\n" + '{"step": 1, "lo')  # step 1 half-written
     (first,) = feed.poll()
     assert first.step == 0 and first.rollout["reward_mean"] == 0.2125 and first.train["loss"] == -0.01234
+    _append(paths.rollout_metrics, json.dumps({"step": 1, **ROLLOUT}) + "\n")
     _append(paths.train_metrics, 'ss": 0.5}\n')
     assert [r.step for r in feed.poll()] == [1]
     assert feed.poll() == []
+    _append(paths.rollout_metrics, json.dumps({"step": 2, **ROLLOUT}) + "\n")
     _append(paths.train_metrics, "not json, cut by kill -9\n" + json.dumps({"step": 2, **TRAIN}) + "\n")
     assert [r.step for r in feed.poll()] == [2]
     assert [r.step for r in feed.records()] == [0, 1, 2]
     assert StepFeed(paths, from_now=True).poll() == []  # a resumed launch does not repeat earlier steps
+
+
+def test_a_step_trained_before_its_rollout_row_waits_for_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rollout logs a step's row just after publishing its shards, so the trainer can log first: the step is
+    handed out with its reward once the rollout row arrives, not before and without it (a launch printed a step
+    line without its reward this way), and later steps wait behind it."""
+    paths = RunPaths(tmp_path / "run")
+    feed = StepFeed(paths)
+    _append(paths.train_metrics, json.dumps({"step": 0, **TRAIN}) + "\n" + json.dumps({"step": 1, **TRAIN}) + "\n")
+    _append(paths.rollout_metrics, json.dumps({"step": 1, **ROLLOUT}) + "\n")
+    assert feed.poll() == []
+    _append(paths.rollout_metrics, json.dumps({"step": 0, **ROLLOUT}) + "\n")
+    records = feed.poll()
+    assert [r.step for r in records] == [0, 1] and all(r.rollout["reward_mean"] == 0.2125 for r in records)
+    _append(paths.train_metrics, json.dumps({"step": 2, **TRAIN}) + "\n")
+    assert feed.poll() == []
+    assert [(r.step, r.rollout) for r in feed.poll(final=True)] == [(2, {})]  # the run ended: shown without it
+    _append(paths.train_metrics, json.dumps({"step": 3, **TRAIN}) + "\n")
+    monkeypatch.setattr(progress, "ROLLOUT_ROW_WAIT_S", 0.0)  # a rollout row that never comes holds it no longer
+    assert [r.step for r in feed.poll()] == [3]
 
 
 def test_step_line_names_every_figure_and_the_version_rule() -> None:
